@@ -1,0 +1,123 @@
+"""Every configuration dataclass of kvserve, and the CLI flags derived from them.
+
+Each field becomes a flag ``--field-name`` (its docstring comment is the help text), so the
+offline API (``LLM(**kwargs)``), the CLI and the server share one definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    """One engine instance."""
+
+    model: str = ""  # local Hugging Face-format model directory
+    tokenizer: str | None = None  # defaults to the model directory
+    served_model_name: str | None = None  # name in the API; defaults to the directory name
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # primary pool size in blocks (overrides kv_cache_memory)
+    kv_cache_memory: float = 1.0  # primary pool size in GiB when num_kv_blocks is unset
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    prefix_hash_seed: str = "kvserve"  # seed of the block hash chain (same on every instance)
+    seed: int = 0  # default sampling seed
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    debug: bool = False  # check pool integrity after every step
+    # KV connector (offloading, P/D transfer); None disables.
+    kv_connector: str | None = None
+    kv_offload_size: float = 0.0  # GiB of host memory for the offload tier (0: off)
+    kv_offload_policy: str = "lru"  # lru | arc
+    kv_offload_block_size: int | None = None  # tokens per offload chunk (multiple of block_size)
+    # KV events publishing (ZMQ PUB, vLLM wire format).
+    kv_events_endpoint: str | None = None  # e.g. tcp://*:5557
+    kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
+    kv_events_topic: str | None = None  # default kv@<host>:<port>@<model>
+    kv_events_buffer: int = 10000  # batches kept for replay
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_offload_size and not self.kv_connector:
+            self.kv_connector = "offload"
+        if self.kv_offload_block_size is not None and (
+            self.kv_offload_block_size % self.block_size
+        ):
+            raise ValueError("kv_offload_block_size must be a multiple of block_size")
+
+
+@dataclass
+class ServerConfig:
+    """The OpenAI-compatible HTTP server of one engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_n: int = 16  # largest accepted `n`
+    log_level: str = "warning"
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI derivation
+
+
+def _base_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
+) -> None:
+    """Add ``--field-name`` for every field of dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=tp, default=default)
+
+
+def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    kwargs = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+    }
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    return dataclasses.replace(cfg, **changes)
+
+
+__all__ = [
+    "EngineConfig",
+    "ServerConfig",
+    "GiB",
+    "add_dataclass_args",
+    "from_args",
+    "replace",
+    "field",
+]
