@@ -47,6 +47,7 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
     kv_events_topic: str | None = None  # default kv@<host>:<port>@<model>
     kv_events_buffer: int = 10000  # batches kept for replay
+    enable_kv_cache_events: bool = False  # record events (implied by kv_events_endpoint)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

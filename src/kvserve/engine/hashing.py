@@ -43,7 +43,9 @@ def encode_tokens(token_ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def hash_block(parent: BlockHash, token_bytes: bytes, extra_keys: Sequence | None = None) -> BlockHash:
+def hash_block(
+    parent: BlockHash, token_bytes: bytes, extra_keys: Sequence | None = None
+) -> BlockHash:
     """Hash one full block given its parent hash and its tokens' uint32 LE bytes."""
     h = hashlib.sha256(parent)
     h.update(token_bytes)

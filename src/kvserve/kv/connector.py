@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import EngineConfig
-    from kvserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
+    from kvserve.engine.outputs import SchedulerOutput
     from kvserve.engine.request import Request
     from kvserve.kv.events import AnyKVEvent
 

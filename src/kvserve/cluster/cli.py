@@ -1,0 +1,134 @@
+"""`kvserve route`: run the KV-aware router (a YAML config, flags for the common cases).
+
+Flags override the config file. Examples::
+
+    kvserve route --config examples/router.yaml
+    kvserve route --port 8080 --tokenizer /models/tiny \\
+        --endpoint http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
+        --endpoint http://127.0.0.1:8002,events=tcp://127.0.0.1:5567 \\
+        --scorer precise_prefix=3 --scorer load=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from kvserve.cluster.config import (
+    ConfigError,
+    EndpointSpec,
+    PickerSpec,
+    RouterConfig,
+    ScorerSpec,
+    load_router_config,
+)
+
+_ENDPOINT_KEYS = {
+    "events": "kv_events",
+    "replay": "kv_events_replay",
+    "model": "model",
+    "name": "name",
+    "topic": "kv_events_topic",
+}
+
+
+def parse_endpoint_flag(text: str) -> EndpointSpec:
+    """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T]``."""
+    url, *opts = [p.strip() for p in text.split(",")]
+    kwargs: dict[str, str] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in _ENDPOINT_KEYS:
+            raise ConfigError(
+                f"--endpoint {text!r}: bad option {opt!r} (known: {', '.join(_ENDPOINT_KEYS)})"
+            )
+        kwargs[_ENDPOINT_KEYS[key]] = value
+    return EndpointSpec(url=url, **kwargs)
+
+
+def parse_scorer_flag(text: str) -> ScorerSpec:
+    """``NAME=WEIGHT``."""
+    name, sep, weight = text.partition("=")
+    try:
+        return ScorerSpec(name=name.strip(), weight=float(weight) if sep else 1.0)
+    except ValueError:
+        raise ConfigError(f"--scorer {text!r}: weight must be a number") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="router YAML config (see examples/router.yaml)")
+    parser.add_argument("--host", help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (default 8080)")
+    parser.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="URL[,events=ADDR,...]",
+        help="an engine server: URL[,events=tcp://H:P][,replay=tcp://H:P][,model=M][,name=N]"
+        " (repeatable; added to the config's endpoints)",
+    )
+    parser.add_argument("--endpoints-file", help="YAML/JSON endpoint list, re-read on change")
+    parser.add_argument("--tokenizer", help="model directory whose tokenizer the router uses")
+    parser.add_argument("--block-size", type=int, help="block size of the routing history")
+    parser.add_argument("--prefix-hash-seed", help="seed of the router's block keys")
+    parser.add_argument(
+        "--scorer",
+        action="append",
+        default=[],
+        metavar="NAME=WEIGHT",
+        help="replaces the configured scorers (repeatable): precise_prefix, approx_prefix, "
+        "queue_depth, kv_cache_util, load, session_affinity",
+    )
+    parser.add_argument("--picker", help="max_score | weighted_random | random | round_robin")
+    parser.add_argument("--session-header", help="header carrying the session id")
+    parser.add_argument("--max-attempts", type=int, help="endpoints tried per request")
+    parser.add_argument("--log-level", help="debug | info | warning | error")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    cfg = load_router_config(args.config) if args.config else RouterConfig()
+    for attr in (
+        "host",
+        "port",
+        "endpoints_file",
+        "tokenizer",
+        "block_size",
+        "prefix_hash_seed",
+        "session_header",
+        "max_attempts",
+        "log_level",
+    ):
+        value = getattr(args, attr, None)
+        if value is not None:
+            setattr(cfg, attr, value)
+    cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
+    if args.scorer:
+        cfg.scheduler.scorers = [parse_scorer_flag(s) for s in args.scorer]
+    if args.picker:
+        cfg.scheduler.picker = PickerSpec(args.picker)
+    return cfg.validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.cluster.gateway import Router, serve_forever
+
+    try:
+        cfg = config_from_args(args)
+        router = Router(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"kvserve route: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(serve_forever(router))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:  # e.g. the port is taken
+        print(f"kvserve route: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,231 @@
+"""Configuration of `kvserve route`: the router's YAML schema as dataclasses, with defaults.
+
+Owns the schema and its loading/validation (unknown keys are errors, so a typo never
+silently falls back to a default). Example: ``examples/router.yaml``.
+
+Defaults and why:
+- scorers: ``precise_prefix`` 3 (KV events; longest cached run from block 0, tier-weighted),
+  ``approx_prefix`` 3 (routing history; only scores endpoints that publish no events, so
+  the two never double count), ``load`` 2 (active requests, capped at 32), ``queue_depth`` 1
+  and ``kv_cache_util`` 1 (scraped). Prefix outweighs load, as in llm-d's defaults (prefix 3,
+  queue 2, kv-util 2): a full prefix hit (3) beats an endpoint that is idle while the other
+  is at its cap (2), a small partial hit does not. ``session_affinity`` is off (weight 0)
+  until a deployment needs it: affinity alone hot-spots.
+- picker ``max_score`` (random tie-break); ``weighted_random`` spreads load more.
+- health: checked every 1 s, out after 2 failed checks or at once on a refused connection,
+  back after one good check; metrics scraped every 0.5 s.
+- index: 4M blocks per endpoint (about 0.6 GB over 1M entries per endpoint in total is the
+  order of magnitude: size it to the endpoints' pools), tier weights GPU 1.0, CPU 0.8,
+  DISK 0.6, FS 0.5, REDIS 0.5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from kvserve.cluster.kv_index import DEFAULT_TIER_WEIGHTS
+from kvserve.engine.hashing import DEFAULT_PREFIX_HASH_SEED
+
+
+class ConfigError(ValueError):
+    """A router configuration that cannot be used (the message names the key)."""
+
+
+@dataclass
+class EndpointSpec:
+    """One engine server behind the router."""
+
+    url: str  # base URL of an OpenAI-compatible server, e.g. http://10.0.0.1:8000
+    name: str | None = None  # label in metrics and the index; defaults to the URL
+    model: str | None = None  # served model; discovered from /v1/models when unset
+    kv_events: str | None = None  # its KV event PUB address, e.g. tcp://10.0.0.1:5557
+    kv_events_replay: str | None = None  # its replay ROUTER address, e.g. tcp://10.0.0.1:5558
+    kv_events_topic: str = ""  # topic prefix to subscribe to ("" = all)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"endpoint url must start with http:// or https://: {self.url!r}")
+        if self.kv_events_replay and not self.kv_events:
+            raise ConfigError(f"endpoint {self.url}: kv_events_replay without kv_events")
+
+    @property
+    def key(self) -> str:
+        return self.name or self.url
+
+
+@dataclass
+class ScorerSpec:
+    name: str  # precise_prefix | approx_prefix | queue_depth | kv_cache_util | load |
+    # session_affinity
+    weight: float = 1.0
+    params: dict[str, Any] = field(default_factory=dict)  # scorer-specific options
+
+
+@dataclass
+class PickerSpec:
+    name: str = "max_score"  # max_score | weighted_random | random | round_robin
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def default_scorers() -> list[ScorerSpec]:
+    return [
+        ScorerSpec("precise_prefix", 3.0),
+        ScorerSpec("approx_prefix", 3.0),
+        ScorerSpec("load", 2.0, {"capacity": 32}),
+        ScorerSpec("queue_depth", 1.0),
+        ScorerSpec("kv_cache_util", 1.0),
+    ]
+
+
+@dataclass
+class SchedulerConfig:
+    filters: list[str] = field(default_factory=lambda: ["model", "healthy"])
+    scorers: list[ScorerSpec] = field(default_factory=default_scorers)
+    picker: PickerSpec = field(default_factory=PickerSpec)
+
+
+@dataclass
+class HealthConfig:
+    interval_s: float = 1.0  # GET /health period
+    timeout_s: float = 1.0
+    unhealthy_after: int = 2  # consecutive failed checks before an endpoint is taken out
+    metrics_interval_s: float = 0.5  # GET /metrics period (load, queue, KV usage)
+
+
+@dataclass
+class IndexConfig:
+    max_blocks_per_endpoint: int = 4_000_000  # LRU bound of the KV index per endpoint
+    tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    replay_timeout_s: float = 2.0  # give up on a replay request after this long
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    endpoints: list[EndpointSpec] = field(default_factory=list)
+    endpoints_file: str | None = None  # YAML/JSON list of endpoints, re-read when it changes
+    endpoints_file_poll_s: float = 1.0
+    tokenizer: str | None = None  # model directory whose tokenizer serves every model
+    tokenizers: dict[str, str] = field(default_factory=dict)  # model name -> model directory
+    block_size: int = 16  # block size of the routing history (approximate prefix)
+    prefix_hash_seed: str = DEFAULT_PREFIX_HASH_SEED  # the router's own key space
+    session_header: str = "x-session-id"
+    max_attempts: int = 3  # endpoints tried per request (failover before the first byte)
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 600.0  # upstream response headers must arrive by then
+    history_ttl_s: float = 600.0  # routing history entry lifetime (approximate prefix)
+    history_max_blocks: int = 1_000_000
+    session_ttl_s: float = 3600.0
+    inline_tokenize_chars: int = 4096  # longer prompts are tokenized on a worker thread
+    log_level: str = "warning"
+    health: HealthConfig = field(default_factory=HealthConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> RouterConfig:
+        if self.block_size <= 0:
+            raise ConfigError("block_size must be positive")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be >= 1")
+        if not self.endpoints and not self.endpoints_file:
+            raise ConfigError("no endpoints: give `endpoints` or `endpoints_file`")
+        names = [e.key for e in self.endpoints]
+        if len(set(names)) != len(names):
+            raise ConfigError("duplicate endpoint names/urls")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# dict -> dataclass
+
+
+def _build(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if tp is EndpointSpec and isinstance(value, str):
+            value = {"url": value}
+        if tp is ScorerSpec and isinstance(value, str):
+            value = {"name": value}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = set(value) - names
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
+        kwargs = {k: _build(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
+        try:
+            return tp(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{where or 'config'}: {e}") from None
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list")
+        return [_build(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        return {str(k): _build(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _build(inner[0], value, where)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool) and not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{where}: expected int, got {value!r}")
+    if tp is float:
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    return value
+
+
+def router_config_from_dict(data: dict[str, Any]) -> RouterConfig:
+    return _build(RouterConfig, data or {}, "")
+
+
+def read_structured_file(path: str) -> Any:
+    """Parse a YAML or JSON file (JSON is YAML, but keep JSON errors JSON-shaped)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        return json.loads(text)
+    return yaml.safe_load(text)
+
+
+def load_router_config(path: str) -> RouterConfig:
+    try:
+        data = read_structured_file(path)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read router config {path}: {e}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    cfg = router_config_from_dict(data or {})
+    if cfg.endpoints_file and not os.path.isabs(cfg.endpoints_file):
+        cfg.endpoints_file = os.path.join(
+            os.path.dirname(os.path.abspath(path)), cfg.endpoints_file
+        )
+    return cfg
+
+
+def parse_endpoints(data: Any, where: str = "endpoints") -> list[EndpointSpec]:
+    """Endpoints from a parsed file: a list, or a mapping with an ``endpoints`` list."""
+    if isinstance(data, dict) and "endpoints" in data:
+        data = data["endpoints"]
+    if data is None:
+        return []
+    return _build(list[EndpointSpec], data, where)

@@ -1,0 +1,315 @@
+"""The endpoints behind the router: who they are, whether they are up, how loaded they are.
+
+Owns endpoint state and its upkeep: the list (static, or a YAML/JSON file re-read when it
+changes), active health checks (GET /health; out after ``unhealthy_after`` failures or at once
+when the gateway cannot connect, back after one good check), model discovery
+(GET /v1/models) and load metrics scraped from GET /metrics in Prometheus text format
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``).
+Listeners hear about endpoints added and removed (the event subscriber, the index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvserve.cluster.config import (
+    ConfigError,
+    EndpointSpec,
+    HealthConfig,
+    parse_endpoints,
+    read_structured_file,
+)
+
+logger = logging.getLogger(__name__)
+
+METRIC_RUNNING = "vllm:num_requests_running"
+METRIC_WAITING = "vllm:num_requests_waiting"
+METRIC_KV_USAGE = "vllm:kv_cache_usage_perc"
+_SCRAPED = (METRIC_RUNNING, METRIC_WAITING, METRIC_KV_USAGE)
+
+
+@dataclass
+class Endpoint:
+    """Live state of one endpoint."""
+
+    spec: EndpointSpec
+    models: tuple[str, ...] = ()  # configured, else discovered
+    model_cards: list[dict] = field(default_factory=list)  # /v1/models entries
+    healthy: bool = False
+    failures: int = 0  # consecutive failed health checks
+    last_error: str | None = None
+    num_requests_running: float = 0.0
+    num_requests_waiting: float = 0.0
+    kv_cache_usage_perc: float = 0.0
+    metrics_at: float = 0.0  # time.monotonic() of the last successful scrape
+    in_flight: int = 0  # requests this router has sent and not yet finished
+
+    @property
+    def name(self) -> str:
+        return self.spec.key
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def has_kv_events(self) -> bool:
+        return bool(self.spec.kv_events)
+
+    @property
+    def active_requests(self) -> float:
+        """Best current estimate of requests on the endpoint (scraped or seen here)."""
+        return max(self.num_requests_running + self.num_requests_waiting, float(self.in_flight))
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model in self.models
+
+
+def parse_prometheus_text(text: str, names: Iterable[str] = _SCRAPED) -> dict[str, float]:
+    """Sum of the samples of each wanted metric (over label sets) in Prometheus text."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if space < 0:
+            continue
+        if 0 <= brace < space:
+            metric = line[:brace]
+            close = line.rfind("}")
+            rest = line[close + 1 :].split()
+        else:
+            metric = line[:space]
+            rest = line[space + 1 :].split()
+        if metric not in wanted or not rest:
+            continue
+        try:
+            value = float(rest[0])
+        except ValueError:
+            continue
+        out[metric] = out.get(metric, 0.0) + value
+    return out
+
+
+Listener = Callable[[Endpoint], None]
+
+
+class EndpointPool:
+    """The set of endpoints and the background tasks that keep their state current."""
+
+    def __init__(
+        self,
+        specs: Iterable[EndpointSpec] = (),
+        *,
+        health: HealthConfig | None = None,
+        endpoints_file: str | None = None,
+        file_poll_s: float = 1.0,
+    ) -> None:
+        self.health = health or HealthConfig()
+        self.endpoints_file = endpoints_file
+        self.file_poll_s = file_poll_s
+        self.endpoints: dict[str, Endpoint] = {}
+        self.on_added: list[Listener] = []
+        self.on_removed: list[Listener] = []
+        self.on_health_change: list[Listener] = []
+        self._static = list(specs)
+        self._file_mtime: float | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._checking: set[str] = set()
+
+    # ------------------------------------------------------------------ membership
+
+    def healthy(self) -> list[Endpoint]:
+        return [e for e in self.endpoints.values() if e.healthy]
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for e in self.endpoints.values():
+            if e.healthy:
+                seen.update(dict.fromkeys(e.models))
+        return list(seen)
+
+    def set_specs(self, specs: Iterable[EndpointSpec]) -> None:
+        """Make the pool hold exactly ``specs`` (by name); changed specs are replaced."""
+        wanted = {s.key: s for s in specs}
+        for name in list(self.endpoints):
+            if name not in wanted or wanted[name] != self.endpoints[name].spec:
+                ep = self.endpoints.pop(name)
+                logger.info("endpoint removed: %s", name)
+                for cb in self.on_removed:
+                    cb(ep)
+        for name, spec in wanted.items():
+            if name not in self.endpoints:
+                ep = Endpoint(spec, models=(spec.model,) if spec.model else ())
+                self.endpoints[name] = ep
+                logger.info("endpoint added: %s", name)
+                for cb in self.on_added:
+                    cb(ep)
+
+    def load(self) -> None:
+        """Apply the static list plus the endpoints file (if any). Raises on a bad file."""
+        specs = list(self._static)
+        if self.endpoints_file:
+            specs += self._read_file()
+        self.set_specs(specs)
+
+    def _read_file(self) -> list[EndpointSpec]:
+        assert self.endpoints_file is not None
+        try:
+            self._file_mtime = os.stat(self.endpoints_file).st_mtime_ns
+            return parse_endpoints(read_structured_file(self.endpoints_file), self.endpoints_file)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read endpoints file {self.endpoints_file}: {e}") from None
+
+    def _file_changed(self) -> bool:
+        try:
+            return os.stat(self.endpoints_file).st_mtime_ns != self._file_mtime
+        except OSError:
+            return False
+
+    # ------------------------------------------------------------------ upkeep
+
+    async def start(self, session: aiohttp.ClientSession | None = None) -> None:
+        """Load, check every endpoint once, then keep checking in the background."""
+        self._session = session or aiohttp.ClientSession()
+        self._own_session = session is None
+        self.load()
+        await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))
+        await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values())))
+        self._tasks = [
+            asyncio.create_task(self._loop(self.health.interval_s, self._check_all)),
+            asyncio.create_task(self._loop(self.health.metrics_interval_s, self._scrape_all)),
+        ]
+        if self.endpoints_file:
+            self._tasks.append(asyncio.create_task(self._loop(self.file_poll_s, self._watch)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        if self._session is not None and self._own_session:
+            await self._session.close()
+        self._session = None
+
+    async def _loop(self, interval: float, fn: Callable) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:  # keep the upkeep alive whatever one round does
+                logger.exception("endpoint upkeep failed")
+
+    async def _watch(self) -> None:
+        if self._file_changed():
+            try:
+                self.load()
+            except ConfigError as e:
+                logger.error("%s (keeping the previous endpoints)", e)
+                return
+            await asyncio.gather(
+                *(
+                    self.check(e)
+                    for e in self.endpoints.values()
+                    if not e.healthy and e.failures == 0
+                )
+            )
+
+    async def _check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))
+
+    async def _scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values()) if e.healthy))
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.health.timeout_s)
+
+    async def check(self, ep: Endpoint) -> bool:
+        """One health check (and model discovery while the models are unknown)."""
+        if ep.name in self._checking or self._session is None:
+            return ep.healthy
+        self._checking.add(ep.name)
+        try:
+            async with self._session.get(ep.url + "/health", timeout=self._timeout()) as r:
+                ok = r.status == 200
+                await r.read()
+            if ok and (not ep.model_cards or not ep.models):
+                await self._discover(ep)
+            error = None if ok else f"/health returned {r.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            ok, error = False, f"{type(e).__name__}: {e}"
+        finally:
+            self._checking.discard(ep.name)
+        if ep.name not in self.endpoints or self.endpoints[ep.name] is not ep:
+            return False  # removed meanwhile
+        if ok and not ep.models:
+            ok, error = False, "serves no model"
+        if ok:
+            ep.failures = 0
+            ep.last_error = None
+            self._set_health(ep, True)
+        else:
+            ep.failures += 1
+            ep.last_error = error
+            if ep.failures >= self.health.unhealthy_after:
+                self._set_health(ep, False)
+        return ep.healthy
+
+    async def _discover(self, ep: Endpoint) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(ep.url + "/v1/models", timeout=self._timeout()) as r:
+                if r.status != 200:
+                    return
+                body = await r.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return
+        cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
+        ep.model_cards = cards
+        if not ep.spec.model:
+            ep.models = tuple(str(c["id"]) for c in cards)
+
+    async def scrape(self, ep: Endpoint) -> None:
+        if self._session is None:
+            return
+        try:
+            async with self._session.get(ep.url + "/metrics", timeout=self._timeout()) as r:
+                if r.status != 200:
+                    return
+                text = await r.text()
+        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            return
+        values = parse_prometheus_text(text)
+        ep.num_requests_running = values.get(METRIC_RUNNING, 0.0)
+        ep.num_requests_waiting = values.get(METRIC_WAITING, 0.0)
+        ep.kv_cache_usage_perc = min(max(values.get(METRIC_KV_USAGE, 0.0), 0.0), 1.0)
+        ep.metrics_at = time.monotonic()
+
+    def mark_failed(self, ep: Endpoint, error: str) -> None:
+        """The gateway could not reach ``ep``: out now, back on the next good check."""
+        ep.last_error = error
+        ep.failures = max(ep.failures, self.health.unhealthy_after)
+        self._set_health(ep, False)
+
+    def _set_health(self, ep: Endpoint, healthy: bool) -> None:
+        if ep.healthy != healthy:
+            ep.healthy = healthy
+            if healthy:
+                logger.info("endpoint %s healthy", ep.name)
+            else:
+                logger.warning("endpoint %s unhealthy: %s", ep.name, ep.last_error)
+            for cb in self.on_health_change:
+                cb(ep)

@@ -1,0 +1,342 @@
+"""Router-side KV event intake: one ZMQ SUB stream per endpoint, in order, into the index.
+
+Owns the sockets and per-stream sequence tracking. A jump in ``seq`` triggers a replay
+request on the endpoint's replay socket (DEALER -> ROUTER, specs/kv-events.md); live batches
+are held back until the replay ends so the index sees every stream in publish order. A seq
+going backwards on the live stream means the publisher restarted: its endpoint is cleared.
+Runs on one background thread (sockets are owned by it); endpoints are added and removed
+through a command queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from kvserve.cluster.kv_index import KVIndex
+from kvserve.kv.event_publisher import END_SEQ, pack_seq, unpack_seq
+from kvserve.kv.events import decode_batch
+
+logger = logging.getLogger(__name__)
+
+# Called after each applied batch: (endpoint, seq, block events, lag seconds).
+BatchHook = Callable[[str, int, int, float], None]
+
+
+@dataclass
+class StreamStats:
+    last_seq: int = -1  # last applied seq (-1: none yet)
+    batches: int = 0
+    block_events: int = 0
+    gaps: int = 0  # seq jumps seen on the live stream
+    replays: int = 0  # replay requests sent
+    replay_failures: int = 0  # replays that timed out
+    missed_batches: int = 0  # batches never received (not recoverable from replay)
+    restarts: int = 0  # publisher restarts detected (seq went back)
+    malformed: int = 0  # undecodable messages (seq still advances)
+    lag_s: float = 0.0  # now - batch timestamp, at the last applied batch
+    last_batch_at: float = 0.0  # time.time() of the last applied batch
+
+
+@dataclass
+class _Stream:
+    name: str
+    address: str
+    replay_address: str | None
+    topic: bytes
+    sub: zmq.Socket
+    dealer: zmq.Socket | None = None
+    replaying: bool = False
+    last_live_seq: int = -1  # last seq received on the SUB socket
+    last_payload: bytes | None = None  # payload of batch stats.last_seq (continuity check)
+    verify_seq: int | None = None  # replay's first batch must equal last_payload
+    replay_deadline: float = 0.0
+    pending: list[tuple[int, bytes]] = field(default_factory=list)
+    stats: StreamStats = field(default_factory=StreamStats)
+
+
+class EventSubscriber:
+    """Feeds a :class:`KVIndex` from the event streams of many endpoints."""
+
+    def __init__(
+        self,
+        index: KVIndex,
+        *,
+        replay_timeout: float = 2.0,
+        on_batch: BatchHook | None = None,
+        poll_interval: float = 0.02,
+        recv_hwm: int = 100_000,
+    ) -> None:
+        self.index = index
+        self.replay_timeout = replay_timeout
+        self.on_batch = on_batch
+        self.poll_interval = poll_interval
+        self.recv_hwm = recv_hwm
+        self._ctx = zmq.Context.instance()
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stats: dict[str, StreamStats] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._poller = zmq.Poller()  # used by the subscriber thread only
+
+    # ------------------------------------------------------------------ control (any thread)
+
+    def start(self) -> EventSubscriber:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
+            self._thread.start()
+        return self
+
+    def add_endpoint(
+        self, name: str, address: str, replay_address: str | None = None, topic: str = ""
+    ) -> None:
+        """Subscribe to ``address`` (e.g. ``tcp://10.0.0.1:5557``) for endpoint ``name``."""
+        self._commands.put(("add", name, address, replay_address, topic))
+
+    def remove_endpoint(self, name: str) -> None:
+        """Unsubscribe and drop the endpoint from the index."""
+        self._commands.put(("remove", name))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+    def stats(self, name: str) -> StreamStats | None:
+        s = self._stats.get(name)
+        return dataclasses.replace(s) if s is not None else None
+
+    def all_stats(self) -> dict[str, StreamStats]:
+        return {n: dataclasses.replace(s) for n, s in list(self._stats.items())}
+
+    def wait_for_seq(self, name: str, seq: int, timeout: float = 5.0) -> bool:
+        """Block until endpoint ``name`` has applied batch ``seq`` (tests, tools)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                s = self._stats.get(name)
+                if s is not None and s.last_seq >= seq:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    # ------------------------------------------------------------------ subscriber thread
+
+    def _run(self) -> None:
+        poller = self._poller
+        try:
+            while not self._stop.is_set():
+                if self._do_commands():
+                    continue
+                events = dict(poller.poll(self.poll_interval * 1000))
+                for st in list(self._streams.values()):
+                    if st.dealer is not None and events.get(st.dealer):
+                        self._drain_replay(st)
+                    if events.get(st.sub):
+                        self._drain_live(st)
+                    if st.replaying and time.monotonic() > st.replay_deadline:
+                        logger.warning("KV event replay from %s timed out", st.name)
+                        st.stats.replay_failures += 1
+                        self._close_dealer(st)
+                        self._finish_replay(st)
+                    elif not st.replaying and st.dealer is not None:
+                        self._close_dealer(st)
+        finally:
+            for st in self._streams.values():
+                st.sub.close(linger=0)
+                if st.dealer is not None:
+                    st.dealer.close(linger=0)
+            self._streams.clear()
+
+    def _do_commands(self) -> bool:
+        poller = self._poller
+        did = False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return did
+            did = True
+            if cmd[0] == "add":
+                _, name, address, replay_address, topic = cmd
+                if name in self._streams:  # re-added (changed address): start over
+                    self._drop_stream(name)
+                    self.index.clear_endpoint(name)
+                sub = self._ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.RCVHWM, self.recv_hwm)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+                try:
+                    sub.connect(address)
+                except zmq.ZMQError as e:
+                    logger.error("cannot subscribe to KV events of %s at %s: %s", name, address, e)
+                    sub.close(linger=0)
+                    continue
+                st = _Stream(name, address, replay_address, topic.encode("utf-8"), sub)
+                self._streams[name] = st
+                self._stats[name] = st.stats
+                poller.register(sub, zmq.POLLIN)
+            elif cmd[0] == "remove":
+                self._drop_stream(cmd[1])
+                self._stats.pop(cmd[1], None)
+                self.index.remove_endpoint(cmd[1])
+
+    def _drop_stream(self, name: str) -> None:
+        st = self._streams.pop(name, None)
+        if st is None:
+            return
+        self._poller.unregister(st.sub)
+        st.sub.close(linger=0)
+        self._close_dealer(st)
+
+    def _close_dealer(self, st: _Stream) -> None:
+        if st.dealer is not None:
+            self._poller.unregister(st.dealer)
+            st.dealer.close(linger=0)  # drops replies of a timed-out replay
+            st.dealer = None
+
+    def _drain_live(self, st: _Stream, budget: int = 512) -> None:
+        for _ in range(budget):
+            try:
+                frames = st.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                st.stats.malformed += 1
+                continue
+            self._on_live(st, unpack_seq(frames[1]), frames[2])
+
+    def _on_live(self, st: _Stream, seq: int, payload: bytes) -> None:
+        # One publisher's live seqs only grow: going back means a new publisher (restart).
+        if st.last_live_seq >= 0 and seq <= st.last_live_seq:
+            self._restarted(st, f"seq {seq} after {st.last_live_seq}", keep_pending=False)
+        st.last_live_seq = seq
+        if st.replaying:
+            st.pending.append((seq, payload))
+            return
+        last = st.stats.last_seq
+        if seq <= last:
+            return  # already applied from a replay
+        if seq == last + 1:
+            self._apply(st, seq, payload)
+            return
+        if last >= 0:
+            st.stats.gaps += 1
+        if st.replay_address:
+            # Replay from the last applied batch, not the one after: getting the same bytes
+            # back proves it is still the same publisher (a restarted one may have passed
+            # our seq already, which a seq check alone would take for a mere gap).
+            st.pending.append((seq, payload))
+            self._start_replay(st, last if last >= 0 else 0, verify=last >= 0)
+        else:
+            if last >= 0:
+                st.stats.missed_batches += seq - last - 1
+            self._apply(st, seq, payload)
+
+    def _restarted(self, st: _Stream, why: str, keep_pending: bool = True) -> None:
+        logger.warning("KV event stream of %s restarted (%s): endpoint cleared", st.name, why)
+        st.stats.restarts += 1
+        self.index.clear_endpoint(st.name)
+        st.last_payload = None
+        with self._cond:
+            st.stats.last_seq = -1
+        if st.replaying:
+            self._close_dealer(st)  # drop the rest of the old replay
+            st.replaying = False
+            if not keep_pending:
+                st.pending = []  # the old publisher's
+            elif st.pending:  # the new publisher's: replay it from its start
+                self._start_replay(st, 0, verify=False)
+
+    def _start_replay(self, st: _Stream, start: int, verify: bool) -> None:
+        if st.dealer is None:
+            st.dealer = self._ctx.socket(zmq.DEALER)
+            st.dealer.setsockopt(zmq.LINGER, 0)
+            st.dealer.connect(st.replay_address)
+            self._poller.register(st.dealer, zmq.POLLIN)
+        st.dealer.send_multipart((b"", pack_seq(start)))
+        st.replaying = True
+        st.verify_seq = start if verify else None
+        st.replay_deadline = time.monotonic() + self.replay_timeout
+        st.stats.replays += 1
+
+    def _drain_replay(self, st: _Stream, budget: int = 4096) -> None:
+        for _ in range(budget):
+            if st.dealer is None:
+                return
+            try:
+                frames = st.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [b"", topic, seq, payload]
+            if len(frames) != 4 or len(frames[2]) != 8:
+                st.stats.malformed += 1
+                continue
+            seq = unpack_seq(frames[2])
+            if not st.replaying:
+                continue
+            if seq == END_SEQ:
+                self._finish_replay(st)
+                return
+            if st.verify_seq is not None:
+                check, st.verify_seq = st.verify_seq, None
+                if seq == check:
+                    if frames[3] != st.last_payload:
+                        self._restarted(st, f"batch {seq} differs from the one applied")
+                        return
+                    continue
+                # The buffer no longer holds our last batch: continuity cannot be checked.
+            if seq <= st.stats.last_seq:
+                continue
+            if st.stats.last_seq >= 0 and seq > st.stats.last_seq + 1:
+                # Older batches than the buffer still holds: lost.
+                st.stats.missed_batches += seq - st.stats.last_seq - 1
+            self._apply(st, seq, frames[3])
+
+    def _finish_replay(self, st: _Stream) -> None:
+        st.replaying = False
+        st.verify_seq = None
+        pending, st.pending = st.pending, []
+        for seq, payload in pending:
+            last = st.stats.last_seq
+            if seq <= last:
+                continue
+            if last >= 0 and seq > last + 1:
+                st.stats.missed_batches += seq - last - 1
+            self._apply(st, seq, payload)
+
+    def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
+        n = 0
+        lag = 0.0
+        try:
+            batch = decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            st.stats.malformed += 1
+            logger.warning("undecodable KV event batch %d from %s: %s", seq, st.name, e)
+        else:
+            n = self.index.apply_events(st.name, batch.events)
+            now = time.time()
+            lag = max(0.0, now - batch.ts)
+            st.stats.lag_s = lag
+            st.stats.last_batch_at = now
+        st.last_payload = payload
+        st.stats.batches += 1
+        st.stats.block_events += n
+        with self._cond:
+            st.stats.last_seq = seq
+            self._cond.notify_all()
+        if self.on_batch is not None:
+            self.on_batch(st.name, seq, n, lag)

@@ -1,0 +1,370 @@
+"""The router's cluster KV index: which endpoint holds which block, on which medium.
+
+Owns the block key -> (endpoint, media) state fed by KV events. Keys are recomputed from each
+``BlockStored``'s ``token_ids`` and parent chain with :mod:`kvserve.engine.hashing` (the
+router's seed, the event's block size), so an engine's own hash function and seed never
+matter; each endpoint keeps a map from its hashes to index keys, used to resolve
+``parent_block_hash`` and ``BlockRemoved``. Storage is per endpoint (one LRU-bounded ordered
+map each), which keeps an entry small and lets a prompt be matched against one endpoint with
+C-level dict probes. Thread-safe: events are applied by the subscriber thread while the
+gateway scores requests.
+
+A block stored twice under one hash on one medium (engines may hold duplicates) must be
+removed twice before it is gone, as the engine's own pool behaves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import takewhile
+from operator import attrgetter
+
+from kvserve.engine.hashing import DEFAULT_PREFIX_HASH_SEED, encode_tokens, hash_block, seed_hash
+from kvserve.kv.events import AllBlocksCleared, AnyKVEvent, BlockRemoved, BlockStored
+
+logger = logging.getLogger(__name__)
+
+# One bit per medium; an entry's mask says where the endpoint holds the block.
+MEDIUM_BITS: dict[str, int] = {"GPU": 1, "CPU": 2, "DISK": 4, "FS": 8, "REDIS": 16}
+OTHER_MEDIUM_BIT = 32
+_ALL_BITS = 64
+
+# Relative value of a hit per tier (a GPU hit is free; lower tiers cost a load).
+DEFAULT_TIER_WEIGHTS: dict[str, float] = {
+    "GPU": 1.0,
+    "CPU": 0.8,
+    "DISK": 0.6,
+    "FS": 0.5,
+    "REDIS": 0.5,
+    "OTHER": 0.5,
+}
+
+
+def medium_bit(medium: str | None) -> int:
+    """Bit of a medium name; ``None`` (vLLM's default) is the primary pool, GPU."""
+    if medium is None:
+        return 1
+    return MEDIUM_BITS.get(medium.upper(), OTHER_MEDIUM_BIT)
+
+
+def mask_weights(tier_weights: dict[str, float]) -> list[float]:
+    """Weight of a block for every media mask: the best medium holding it."""
+    unknown = set(tier_weights) - set(MEDIUM_BITS) - {"OTHER"}
+    if unknown:
+        raise ValueError(f"unknown media in tier_weights: {sorted(unknown)}")
+    by_bit = {
+        bit: tier_weights.get(name, DEFAULT_TIER_WEIGHTS[name]) for name, bit in MEDIUM_BITS.items()
+    }
+    by_bit[OTHER_MEDIUM_BIT] = tier_weights.get("OTHER", DEFAULT_TIER_WEIGHTS["OTHER"])
+    for w in by_bit.values():
+        if not 0.0 <= w <= 1.0:
+            raise ValueError("tier weights must be in [0, 1]")
+    out = [0.0] * _ALL_BITS
+    for mask in range(1, _ALL_BITS):
+        out[mask] = max(w for bit, w in by_bit.items() if mask & bit)
+    return out
+
+
+class _Entry:
+    """One block held by one endpoint."""
+
+    __slots__ = ("engine_hash", "key", "key_bytes", "mask", "dups")
+
+    def __init__(self, engine_hash: int, key: int, key_bytes: bytes, mask: int) -> None:
+        self.engine_hash = engine_hash
+        self.key = key
+        self.key_bytes = key_bytes
+        self.mask = mask
+        self.dups: dict[int, int] | None = None  # extra copies per medium bit
+
+    def add(self, bit: int) -> None:
+        if self.mask & bit:
+            if self.dups is None:
+                self.dups = {}
+            self.dups[bit] = self.dups.get(bit, 0) + 1
+        else:
+            self.mask |= bit
+
+    def remove(self, bit: int) -> bool:
+        """Drop one copy on ``bit``; False if the medium did not hold it."""
+        if self.dups and self.dups.get(bit):
+            self.dups[bit] -= 1
+            return True
+        if self.mask & bit:
+            self.mask &= ~bit
+            return True
+        return False
+
+
+class _EndpointBlocks:
+    __slots__ = ("block_size", "by_engine", "by_key", "ghosts")
+
+    def __init__(self) -> None:
+        self.block_size: int | None = None
+        self.by_engine: dict[int, _Entry] = {}
+        self.by_key: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
+        # Engine hash -> key bytes of blocks no longer held, to resolve late parents.
+        self.ghosts: OrderedDict[int, bytes] = OrderedDict()
+
+    def clear(self) -> None:
+        self.by_engine.clear()
+        self.by_key.clear()
+        self.ghosts.clear()
+
+
+@dataclass
+class IndexStats:
+    blocks: int = 0  # entries held (block x endpoint)
+    stored_blocks: int = 0  # block store events applied
+    removed_blocks: int = 0  # block removal events applied
+    evicted_blocks: int = 0  # entries dropped by the size bound
+    unresolved_parents: int = 0  # stored blocks skipped: parent hash unknown
+    unknown_removals: int = 0  # removals of blocks the index did not hold
+    skipped_events: int = 0  # malformed or not indexed (e.g. sliding-window groups)
+    clears: int = 0
+
+
+_get_mask = attrgetter("mask")
+
+
+class KVIndex:
+    """Block key -> endpoints and media, per endpoint bounded by ``max_blocks_per_endpoint``."""
+
+    def __init__(
+        self,
+        *,
+        seed: str = DEFAULT_PREFIX_HASH_SEED,
+        max_blocks_per_endpoint: int = 4_000_000,
+        tier_weights: dict[str, float] | None = None,
+        max_ghosts_per_endpoint: int = 65536,
+    ) -> None:
+        if max_blocks_per_endpoint < 1:
+            raise ValueError("max_blocks_per_endpoint must be >= 1")
+        self.seed = seed
+        self.max_blocks_per_endpoint = max_blocks_per_endpoint
+        self.max_ghosts_per_endpoint = max_ghosts_per_endpoint
+        self.mask_weights = mask_weights(tier_weights or {})
+        self._root = seed_hash(seed)
+        self._endpoints: dict[str, _EndpointBlocks] = {}
+        self._lock = threading.Lock()
+        self.stats = IndexStats()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stats.blocks
+
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return list(self._endpoints)
+
+    def endpoint_block_size(self, endpoint: str) -> int | None:
+        ep = self._endpoints.get(endpoint)
+        return ep.block_size if ep else None
+
+    def endpoint_num_blocks(self, endpoint: str) -> int:
+        ep = self._endpoints.get(endpoint)
+        return len(ep.by_key) if ep else 0
+
+    def endpoint_keys(self, endpoint: str) -> set[int]:
+        """Every block key held by ``endpoint`` (tests, debugging)."""
+        with self._lock:
+            ep = self._endpoints.get(endpoint)
+            return set(ep.by_key) if ep else set()
+
+    def media(self, endpoint: str, key: int) -> set[str]:
+        """Media on which ``endpoint`` holds block ``key`` (empty if it does not)."""
+        with self._lock:
+            ep = self._endpoints.get(endpoint)
+            entry = ep.by_key.get(key) if ep else None
+            if entry is None:
+                return set()
+            names = {n for n, b in MEDIUM_BITS.items() if entry.mask & b}
+            if entry.mask & OTHER_MEDIUM_BIT:
+                names.add("OTHER")
+            return names
+
+    def match(self, endpoint: str, keys: Sequence[int]) -> tuple[int, float]:
+        """Longest run of ``keys`` from block 0 held by ``endpoint``: (blocks, tier-weighted)."""
+        with self._lock:
+            ep = self._endpoints.get(endpoint)
+            if ep is None or not ep.by_key:
+                return 0, 0.0
+            return self._match(ep, keys)
+
+    def match_endpoints(
+        self, endpoints: Iterable[str], keys_for: Callable[[int], Sequence[int]]
+    ) -> dict[str, tuple[int, float, int]]:
+        """For each endpoint: (matched blocks, weighted blocks, prompt blocks).
+
+        ``keys_for(block_size)`` gives the prompt's keys for that endpoint's block size
+        (callers memoize it: endpoints usually share one block size).
+        """
+        out: dict[str, tuple[int, float, int]] = {}
+        with self._lock:
+            for name in endpoints:
+                ep = self._endpoints.get(name)
+                if ep is None or ep.block_size is None or not ep.by_key:
+                    out[name] = (0, 0.0, 0)
+                    continue
+                keys = keys_for(ep.block_size)
+                n, w = self._match(ep, keys)
+                out[name] = (n, w, len(keys))
+        return out
+
+    def _match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
+        by_key = ep.by_key
+        run = list(takewhile(by_key.__contains__, keys))
+        if not run:
+            return 0, 0.0
+        weights = self.mask_weights
+        weighted = sum(map(weights.__getitem__, map(_get_mask, map(by_key.__getitem__, run))))
+        return len(run), weighted
+
+    # ------------------------------------------------------------------ updates
+
+    def apply_events(self, endpoint: str, events: Iterable[AnyKVEvent]) -> int:
+        """Apply one batch's events of ``endpoint`` in order; returns block events applied."""
+        n = 0
+        with self._lock:
+            ep = self._endpoints.get(endpoint)
+            if ep is None:
+                ep = self._endpoints[endpoint] = _EndpointBlocks()
+            for ev in events:
+                if isinstance(ev, BlockStored):
+                    n += self._store(ep, ev)
+                elif isinstance(ev, BlockRemoved):
+                    n += self._remove(ep, ev)
+                elif isinstance(ev, AllBlocksCleared):
+                    self._clear(ep)
+                    self.stats.clears += 1
+                else:  # pragma: no cover - decode_batch only yields the three types
+                    self.stats.skipped_events += 1
+        return n
+
+    def clear_endpoint(self, endpoint: str) -> None:
+        with self._lock:
+            ep = self._endpoints.get(endpoint)
+            if ep is not None:
+                self._clear(ep)
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Forget an endpoint that went away."""
+        with self._lock:
+            ep = self._endpoints.pop(endpoint, None)
+            if ep is not None:
+                self.stats.blocks -= len(ep.by_key)
+                ep.clear()
+
+    def _clear(self, ep: _EndpointBlocks) -> None:
+        self.stats.blocks -= len(ep.by_key)
+        ep.clear()
+
+    def _store(self, ep: _EndpointBlocks, ev: BlockStored) -> int:
+        bs = ev.block_size
+        hashes = ev.block_hashes
+        tokens = ev.token_ids
+        if ev.kv_cache_spec_kind != "full_attention" or bs <= 0 or len(tokens) != len(hashes) * bs:
+            self.stats.skipped_events += 1
+            return 0
+        if ep.block_size != bs:
+            if ep.block_size is not None:
+                logger.warning("block size changed %s -> %s: endpoint cleared", ep.block_size, bs)
+                self._clear(ep)
+            ep.block_size = bs
+        if ev.parent_block_hash is None:
+            parent = self._root
+        else:
+            pe = ep.by_engine.get(ev.parent_block_hash)
+            if pe is not None:
+                parent = pe.key_bytes
+            else:
+                parent = ep.ghosts.get(ev.parent_block_hash)
+                if parent is None:
+                    self.stats.unresolved_parents += len(hashes)
+                    return 0
+        data = encode_tokens(tokens)
+        stride = 4 * bs
+        bit = medium_bit(ev.medium)
+        extra = ev.extra_keys
+        sha = hashlib.sha256
+        by_engine, by_key = ep.by_engine, ep.by_key
+        added = 0
+        for i, h in enumerate(hashes):
+            chunk = data[i * stride : (i + 1) * stride]
+            x = extra[i] if extra is not None and i < len(extra) else None
+            if x:
+                parent = hash_block(parent, chunk, x)
+            else:
+                d = sha(parent)
+                d.update(chunk)
+                parent = d.digest()
+            e = by_engine.get(h)
+            if e is not None and by_key.get(e.key) is e:
+                if e.key_bytes == parent:
+                    e.add(bit)
+                    by_key.move_to_end(e.key)
+                    continue
+                # The engine reused a hash for other content (restart without a clear).
+                self._drop(ep, e)
+            key = int.from_bytes(parent[-8:], "big")
+            e = by_key.get(key)
+            if e is not None:  # another engine hash of the same content: one more copy
+                e.add(bit)
+                by_engine[h] = e
+                by_key.move_to_end(key)
+                continue
+            e = _Entry(h, key, parent, bit)
+            by_engine[h] = e
+            by_key[key] = e
+            added += 1
+        self.stats.blocks += added
+        self.stats.stored_blocks += len(hashes)
+        over = len(by_key) - self.max_blocks_per_endpoint
+        for _ in range(max(over, 0)):
+            _, old = by_key.popitem(last=False)
+            if by_engine.get(old.engine_hash) is old:
+                del by_engine[old.engine_hash]
+            self._ghost(ep, old)
+            self.stats.blocks -= 1
+            self.stats.evicted_blocks += 1
+        return len(hashes)
+
+    def _remove(self, ep: _EndpointBlocks, ev: BlockRemoved) -> int:
+        bit = medium_bit(ev.medium)
+        by_engine, by_key = ep.by_engine, ep.by_key
+        for h in ev.block_hashes:
+            e = by_engine.get(h)
+            if e is None:
+                self.stats.unknown_removals += 1
+                continue
+            if by_key.get(e.key) is not e:  # stale alias of an entry already gone
+                del by_engine[h]
+                self.stats.unknown_removals += 1
+                continue
+            if not e.remove(bit):
+                self.stats.unknown_removals += 1
+                continue
+            if e.mask == 0:
+                self._drop(ep, e)
+                by_engine.pop(h, None)
+        self.stats.removed_blocks += len(ev.block_hashes)
+        return len(ev.block_hashes)
+
+    def _drop(self, ep: _EndpointBlocks, e: _Entry) -> None:
+        del ep.by_key[e.key]
+        if ep.by_engine.get(e.engine_hash) is e:
+            del ep.by_engine[e.engine_hash]
+        self._ghost(ep, e)
+        self.stats.blocks -= 1
+
+    def _ghost(self, ep: _EndpointBlocks, e: _Entry) -> None:
+        ep.ghosts[e.engine_hash] = e.key_bytes
+        if len(ep.ghosts) > self.max_ghosts_per_endpoint:
+            ep.ghosts.popitem(last=False)

@@ -1,0 +1,147 @@
+"""The router's Prometheus metrics (served at GET /metrics of `kvserve route`).
+
+Owns metric names and the registry. Request-path metrics are counters and histograms
+updated by the gateway; state (endpoint health and load, index size, event streams) is read
+at scrape time by a collector, so nothing on the event path touches Prometheus objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvserve.cluster.endpoints import EndpointPool
+    from kvserve.cluster.event_subscriber import EventSubscriber
+    from kvserve.cluster.kv_index import KVIndex
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1)
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: Callable[[], tuple]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator:
+        pool, index, subscriber = self._state()
+        healthy = GaugeMetricFamily(
+            "kvserve_router_endpoint_healthy", "1 if the endpoint is routable", labels=["endpoint"]
+        )
+        in_flight = GaugeMetricFamily(
+            "kvserve_router_endpoint_in_flight",
+            "Requests in flight through this router",
+            labels=["endpoint"],
+        )
+        running = GaugeMetricFamily(
+            "kvserve_router_endpoint_running", "Scraped running requests", labels=["endpoint"]
+        )
+        waiting = GaugeMetricFamily(
+            "kvserve_router_endpoint_waiting", "Scraped waiting requests", labels=["endpoint"]
+        )
+        kv_usage = GaugeMetricFamily(
+            "kvserve_router_endpoint_kv_cache_usage",
+            "Scraped KV cache usage (0-1)",
+            labels=["endpoint"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvserve_router_kv_index_endpoint_blocks",
+            "Blocks indexed per endpoint",
+            labels=["endpoint"],
+        )
+        for ep in list(pool.endpoints.values()):
+            healthy.add_metric([ep.name], 1.0 if ep.healthy else 0.0)
+            in_flight.add_metric([ep.name], ep.in_flight)
+            running.add_metric([ep.name], ep.num_requests_running)
+            waiting.add_metric([ep.name], ep.num_requests_waiting)
+            kv_usage.add_metric([ep.name], ep.kv_cache_usage_perc)
+            blocks.add_metric([ep.name], index.endpoint_num_blocks(ep.name))
+        yield from (healthy, in_flight, running, waiting, kv_usage, blocks)
+        yield GaugeMetricFamily(
+            "kvserve_router_kv_index_blocks",
+            "Entries (block x endpoint) in the KV index",
+            value=index.num_blocks,
+        )
+        lag = GaugeMetricFamily(
+            "kvserve_router_kv_event_lag_seconds",
+            "Age of the last applied KV event batch when it was applied",
+            labels=["endpoint"],
+        )
+        batches = CounterMetricFamily(
+            "kvserve_router_kv_event_batches", "KV event batches applied", labels=["endpoint"]
+        )
+        block_events = CounterMetricFamily(
+            "kvserve_router_kv_block_events",
+            "Block store/remove events applied",
+            labels=["endpoint"],
+        )
+        gaps = CounterMetricFamily(
+            "kvserve_router_kv_event_gaps", "Sequence gaps seen", labels=["endpoint"]
+        )
+        missed = CounterMetricFamily(
+            "kvserve_router_kv_event_missed_batches",
+            "Batches lost (not replayable)",
+            labels=["endpoint"],
+        )
+        for name, st in subscriber.all_stats().items():
+            lag.add_metric([name], st.lag_s)
+            batches.add_metric([name], st.batches)
+            block_events.add_metric([name], st.block_events)
+            gaps.add_metric([name], st.gaps)
+            missed.add_metric([name], st.missed_batches)
+        yield from (lag, batches, block_events, gaps, missed)
+
+
+class RouterMetrics:
+    def __init__(self, state: Callable[[], tuple[EndpointPool, KVIndex, EventSubscriber]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvserve_router_requests",
+            "Requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvserve_router_request_seconds",
+            "Upstream request time until the last byte",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_byte = Histogram(
+            "kvserve_router_first_byte_seconds",
+            "Upstream time until the response headers",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvserve_router_routing_decisions",
+            "Routing decisions by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "kvserve_router_failovers",
+            "Attempts that failed before the first byte",
+            ["endpoint", "error"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvserve_router_rejected",
+            "Requests answered by the router itself with an error",
+            ["status"],
+            registry=r,
+        )
+        self.routing_time = Histogram(
+            "kvserve_router_routing_seconds",
+            "Tokenize + hash + schedule time per request",
+            buckets=_ROUTING_BUCKETS,
+            registry=r,
+        )
+        r.register(_StateCollector(state))

@@ -1,0 +1,342 @@
+"""LLMEngine: one engine instance, stepped synchronously.
+
+Owns the wiring of tokenizer -> scheduler -> (KV connector) -> model runner -> detokenizer,
+input validation, stop strings, and the per-step RequestOutputs. It does not own threads
+(see ``async_engine``) or HTTP (see ``server``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.config import EngineConfig, GiB
+from kvserve.engine.kv_cache_manager import KVCacheManager
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.outputs import (
+    CompletionOutput,
+    ModelRunnerOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.connector import KVConnectorOutput, KVConnectorStats, create_connector
+from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and routers (counters are totals since start)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of primary blocks in use by requests
+    num_kv_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the primary prefix cache
+    prefix_cache_hits: int = 0  # of which were hits
+    num_preemptions: int = 0
+    connector: KVConnectorStats = field(default_factory=KVConnectorStats)
+
+
+class _RequestState:
+    """Engine-side per-request state: detokenizer, stop-string bookkeeping, logprobs."""
+
+    __slots__ = ("request", "detok", "text", "sent_tokens", "logprobs", "cum_logprob")
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.detok = detok
+        self.text = ""
+        self.sent_tokens = 0
+        self.logprobs: list[dict[int, float]] = []
+        self.cum_logprob = 0.0
+
+
+class LLMEngine:
+    """Synchronous engine: ``add_request`` then call ``step`` until nothing is unfinished."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.model:
+            raise ValueError("EngineConfig.model (a local model directory) is required")
+        self.config = config
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(config)
+        mc = self.runner.model_config
+        self.model_name = config.served_model_name or _dir_name(config.model)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        block_bytes = self.runner.kv_block_bytes()
+        if config.num_kv_blocks is not None:
+            num_blocks = int(config.num_kv_blocks)
+        else:
+            num_blocks = int(config.kv_cache_memory * GiB // block_bytes)
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV pool too small: {num_blocks} blocks of {block_bytes} bytes; raise "
+                "kv_cache_memory or num_kv_blocks"
+            )
+        self.num_kv_blocks = num_blocks
+        self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+        self.events_enabled = bool(config.kv_events_endpoint) or config.enable_kv_cache_events
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            enable_kv_cache_events=self.events_enabled,
+        )
+        self.connector = create_connector(config)
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.kv_cache)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.connector)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s blocks=%d x %d tokens (%.1f MiB)",
+            self.model_name,
+            self.runner.device,
+            self.runner.dtype,
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes / (1 << 20),
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and enqueue one request (``params.n`` must be 1: callers fan out)."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._states:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        if params.n != 1:
+            raise ValueError("LLMEngine takes n=1 requests; fan out n in the caller")
+        text: str | None = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.runner.model_config.vocab_size
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; this model's maximum context length is "
+                f"{self.max_model_len} and at least one token must be generated"
+            )
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - n
+        elif n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                f"context length {self.max_model_len}"
+            )
+        req = Request(
+            request_id,
+            token_ids,
+            params,
+            block_size=self.config.block_size,
+            eos_token_id=self.eos_token_id,
+            prefix_hash_seed=self.config.prefix_hash_seed,
+            cache_salt=cache_salt,
+            prompt=text,
+        )
+        self._states[request_id] = _RequestState(
+            req, IncrementalDetokenizer(self.tokenizer, token_ids)
+        )
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        ids = [r for r in request_ids if r in self._states]
+        if ids:
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for rid in ids:
+                self._states.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        # Includes finished requests whose blocks a connector store still holds.
+        return self.scheduler.has_requests()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        conn = self.connector
+        meta = sched_out.kv_connector_metadata
+        if conn is not None:
+            conn.handle_preemptions(sched_out.preempted_req_ids)
+            conn.start_load_kv(meta)
+        if sched_out.is_empty:
+            runner_out = ModelRunnerOutput()
+        else:
+            runner_out = self.runner.execute_model(sched_out)
+        if conn is not None:
+            conn.wait_for_save(meta)
+            co: KVConnectorOutput = conn.get_finished(sched_out.finished_req_ids)
+            runner_out.finished_sending |= co.finished_sending
+            runner_out.finished_recving |= co.finished_recving
+            runner_out.invalid_block_ids |= co.invalid_block_ids
+        updated = self.scheduler.update_from_output(sched_out, runner_out)
+        if sched_out.is_empty and not updated and self.scheduler.has_unfinished_requests():
+            # Only requests waiting for KV transfers: do not spin the CPU.
+            time.sleep(0.0005)
+        return self._make_outputs(updated, runner_out)
+
+    def _make_outputs(
+        self, updated: list[Request], runner_out: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for req in updated:
+            st = self._states.get(req.request_id)
+            if st is None:
+                continue
+            new_ids = req.output_token_ids[st.sent_tokens :]
+            lps = runner_out.logprobs.get(req.request_id)
+            if lps and req.sampling_params.logprobs is not None:
+                for sampled_lp, top in lps:
+                    st.cum_logprob += sampled_lp
+                    st.logprobs.append(top)
+            new_text = self._detokenize(st, req, new_ids)
+            st.sent_tokens = len(req.output_token_ids)
+            finished = req.is_finished
+            if finished:
+                self._states.pop(req.request_id, None)
+            outputs.append(self._request_output(st, req, new_ids, new_text, finished))
+        return outputs
+
+    def _detokenize(self, st: _RequestState, req: Request, new_ids: list[int]) -> str:
+        sp = req.sampling_params
+        ids = new_ids
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and not isinstance(
+            req.stop_reason, str
+        )
+        if ids and stopped_by_token:
+            ids = ids[:-1]  # the EOS / stop token itself is not part of the text
+        new_text = st.detok.add_tokens(ids) if ids else ""
+        if req.is_finished:
+            new_text += st.detok.flush()
+        if sp.stop and new_text:
+            # A stop string may straddle the previous text: search the tail only.
+            tail = max(len(s) for s in sp.stop) - 1
+            start = max(0, len(st.text) - tail)
+            window = st.text[start:] + new_text
+            hit = _find_stop(window, sp.stop)
+            if hit is not None:
+                pos, stop = hit
+                cut = pos + (len(stop) if sp.include_stop_str_in_output else 0)
+                full = st.text[:start] + window[:cut]
+                new_text = full[len(st.text) :]
+                st.text = full
+                if not req.is_finished:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+                return new_text
+        st.text += new_text
+        return new_text
+
+    def _request_output(
+        self, st: _RequestState, req: Request, new_ids: list[int], new_text: str, finished: bool
+    ) -> RequestOutput:
+        sp = req.sampling_params
+        t = req.times
+        metrics = RequestMetrics(
+            arrival_time=t.arrival,
+            first_scheduled_time=t.first_scheduled,
+            first_token_time=t.first_token,
+            last_token_time=t.last_token,
+            finished_time=t.finished if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_external_cached_tokens=req.num_external_computed_tokens,
+            num_computed_prompt_tokens=req.num_prompt_tokens
+            - max(req.num_cached_tokens, 0)
+            - req.num_external_computed_tokens,
+            num_preemptions=req.num_preemptions,
+        )
+        if finished and metrics.finished_time is None:
+            metrics.finished_time = time.monotonic()
+        comp = CompletionOutput(
+            index=0,
+            text=st.text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=st.cum_logprob if sp.logprobs is not None else None,
+            logprobs=list(st.logprobs) if sp.logprobs is not None else None,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=finished,
+            metrics=metrics,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+        )
+
+    # ------------------------------------------------------------------ state
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        kvm = self.kv_cache_manager
+        pstats = kvm.prefix_cache_stats
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=kvm.usage,
+            num_kv_blocks=self.num_kv_blocks,
+            prefix_cache_queries=pstats.queries,
+            prefix_cache_hits=pstats.hits,
+            num_preemptions=s.num_preemptions,
+            connector=self.connector.stats() if self.connector else KVConnectorStats(),
+        )
+
+    def take_kv_events(self) -> list:
+        events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
+
+def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _dir_name(path: str) -> str:
+    from pathlib import Path
+
+    return Path(path).resolve().name

@@ -1,0 +1,163 @@
+"""The host-memory tier: one tensor of chunk slots, allocated once at exactly the asked size.
+
+Owns the slot storage tensor, per-slot headers (key + checksum; layout and model are fixed
+for the whole tier) and pinning. ``size_bytes // chunk_bytes`` slots are allocated up front,
+with no rounding; on CUDA the memory is pinned in place (``cudaHostRegister``) rather than
+through the caching host allocator, which rounds requests up to a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kv.backends import register_backend
+from kvserve.kv.backends.base import Backend, ChunkHeader, ChunkLayout
+from kvserve.kv.backends.checksum import chunk_checksum, slot_checksums
+from kvserve.kv.events import MEDIUM_CPU
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _fmt_gib(n: int) -> str:
+    return f"{n / (1 << 30):.3f} GiB"
+
+
+@register_backend("cpu")
+class CpuBackend(Backend):
+    """Chunk slots in host RAM; the transfer worker copies to/from :attr:`blocks` directly."""
+
+    name = "cpu"
+    medium = MEDIUM_CPU
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        size_bytes: int,
+        *,
+        pin_memory: bool | None = None,
+        model: str = "",
+    ) -> None:
+        chunk_bytes = layout.chunk_bytes
+        num_slots = int(size_bytes) // chunk_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"KV offload size {int(size_bytes)} bytes ({_fmt_gib(int(size_bytes))}) is smaller "
+                f"than one offload chunk ({chunk_bytes} bytes = {layout.blocks_per_chunk} blocks "
+                f"of {layout.block_bytes} bytes); raise kv_offload_size"
+            )
+        nbytes = num_slots * chunk_bytes
+        avail = _mem_available()
+        if avail is not None and nbytes > avail:
+            raise MemoryError(
+                f"cannot allocate the KV offload tier: {_fmt_gib(nbytes)} asked, only "
+                f"{_fmt_gib(avail)} of host memory available; lower kv_offload_size"
+            )
+        k = layout.blocks_per_chunk
+        try:
+            blocks = torch.empty((num_slots * k, *layout.block_shape), dtype=layout.torch_dtype)
+        except RuntimeError as e:
+            raise MemoryError(
+                f"cannot allocate the KV offload tier ({_fmt_gib(nbytes)}): {e}"
+            ) from e
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = False
+        if pin_memory:
+            _pin_in_place(blocks)
+            self.pinned = True
+        super().__init__(layout, num_slots)
+        self.model = model
+        # [num_slots * blocks_per_chunk, *block_shape]: slot s holds blocks s*k .. s*k+k-1.
+        self.blocks = blocks
+        self.slots_u8 = blocks.view(num_slots, -1).view(torch.uint8)
+        self._keys: list[bytes | None] = [None] * num_slots
+        self._checksums = [0] * num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() * self.blocks.element_size()
+
+    # -- headers --------------------------------------------------------------------------
+    def set_header(self, slot: int, key: bytes, checksum: int) -> None:
+        self._checksums[slot] = checksum
+        self._keys[slot] = key
+
+    def header(self, slot: int) -> ChunkHeader | None:
+        key = self._keys[slot]
+        if key is None:
+            return None
+        return ChunkHeader(
+            key=key,
+            checksum=self._checksums[slot],
+            layout=self.layout.describe(),
+            model=self.model,
+        )
+
+    def record(self, slots: list[int], keys: list[bytes]) -> None:
+        """Headers for slots just written through :attr:`blocks` (checksums computed here)."""
+        for s, k, c in zip(slots, keys, slot_checksums(self.slots_u8, slots, keys), strict=True):
+            self.set_header(s, k, c)
+
+    def verify(self, slots: list[int], keys: list[bytes]) -> list[bool]:
+        """Per slot: does it hold ``key`` with bytes matching its recorded checksum?"""
+        sums = slot_checksums(self.slots_u8, slots, keys)
+        return [
+            self._keys[s] == k and self._checksums[s] == c
+            for s, k, c in zip(slots, keys, sums, strict=True)
+        ]
+
+    def free_slots(self, slots) -> None:
+        slots = list(slots)
+        for s in slots:
+            self._keys[s] = None
+        super().free_slots(slots)
+
+    # -- one chunk ------------------------------------------------------------------------
+    def chunk_view(self, slot: int) -> torch.Tensor:
+        k = self.layout.blocks_per_chunk
+        return self.blocks[slot * k : (slot + 1) * k]
+
+    def write_chunk(self, slot: int, data: torch.Tensor, header: ChunkHeader) -> None:
+        view = self.chunk_view(slot)
+        view.copy_(data.reshape(view.shape))
+        self.set_header(slot, header.key, chunk_checksum(view, header.key))
+
+    def read_chunk(self, slot: int, out: torch.Tensor) -> ChunkHeader | None:
+        header = self.header(slot)
+        if header is None:
+            return None
+        view = self.chunk_view(slot)
+        if chunk_checksum(view, header.key) != header.checksum:
+            return None
+        out.copy_(view.reshape(out.shape))
+        return header
+
+    def close(self) -> None:
+        if self.pinned:
+            _unpin(self.blocks)
+            self.pinned = False
+
+
+def _pin_in_place(t: torch.Tensor) -> None:  # pragma: no cover - needs CUDA
+    """Page-lock ``t``'s memory exactly (no power-of-two rounding of the caching allocator)."""
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise MemoryError(
+            f"cannot pin {_fmt_gib(nbytes)} of host memory for the KV offload tier "
+            f"(cudaHostRegister error {code}); lower kv_offload_size or raise the memlock limit"
+        )
+
+
+def _unpin(t: torch.Tensor) -> None:  # pragma: no cover - needs CUDA
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())

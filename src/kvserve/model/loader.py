@@ -1,0 +1,127 @@
+"""Weight loading from a local Hugging Face directory into :class:`LlamaForCausalLM`.
+
+Owns the HF-name -> fused-parameter mapping (q/k/v -> ``qkv_proj``, gate/up ->
+``gate_up_proj``) and dtype/device placement. Reads ``model.safetensors`` or the shards listed
+in ``model.safetensors.index.json``; never downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.llama import LlamaForCausalLM
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA, fp32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no GPU")
+    return dev
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise ValueError(f"no safetensors weights in {model_dir}")
+    return found
+
+
+def _target(name: str, config: ModelConfig) -> tuple[str, slice | None] | None:
+    """Our parameter name and the rows of it that HF tensor ``name`` fills (None: skip)."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    if "rotary_emb" in name:
+        return None
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return None
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    fused = {
+        "self_attn.q_proj.": ("self_attn.qkv_proj.", slice(0, q)),
+        "self_attn.k_proj.": ("self_attn.qkv_proj.", slice(q, q + kv)),
+        "self_attn.v_proj.": ("self_attn.qkv_proj.", slice(q + kv, q + 2 * kv)),
+        "mlp.gate_proj.": ("mlp.gate_up_proj.", slice(0, inter)),
+        "mlp.up_proj.": ("mlp.gate_up_proj.", slice(inter, 2 * inter)),
+    }
+    for hf, (ours, rows) in fused.items():
+        if hf in name:
+            return name.replace(hf, ours), rows
+    return name, None
+
+
+@torch.inference_mode()
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    config: ModelConfig | None = None,
+) -> LlamaForCausalLM:
+    """Build the model for ``model_dir`` and fill every parameter from its safetensors."""
+    model_dir = Path(model_dir)
+    config = config or ModelConfig.from_pretrained(model_dir)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=dev).to(torch_dtype)
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():
+                target = _target(hf_name, config)
+                if target is None:
+                    continue
+                name, rows = target
+                if name not in params:
+                    raise ValueError(f"unexpected weight {hf_name!r} in {path.name}")
+                dst = params[name] if rows is None else params[name][rows]
+                src = f.get_tensor(hf_name)
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"weight {hf_name!r} has shape {tuple(src.shape)}, "
+                        f"expected {tuple(dst.shape)}"
+                    )
+                dst.copy_(src)
+                filled[name] = filled.get(name, 0) + dst.numel()
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {missing[:8]}")
+    return model.eval()

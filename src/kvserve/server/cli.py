@@ -1,0 +1,111 @@
+"""`kvserve serve`: one engine behind the OpenAI-compatible HTTP API.
+
+Owns process wiring only: flags from :class:`EngineConfig` and :class:`ServerConfig`, the
+engine and its thread, the optional KV event publisher (a step listener that publishes
+``engine.take_kv_events()``), uvicorn, and a clean shutdown on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Any
+
+from kvserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, EngineConfig)
+    add_dataclass_args(parser, ServerConfig)
+
+
+def _advertised_host(host: str) -> str:
+    """The address other machines reach us at (for the KV event topic)."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def kv_event_listener(engine: Any, publisher: Any):
+    """A step listener publishing the engine's KV events of each step (engine thread)."""
+
+    def publish(_outputs: list) -> None:
+        events = engine.take_kv_events()
+        if events:
+            publisher.publish(events)
+
+    return publish
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.engine import LLMEngine
+    from kvserve.server.api_server import build_app
+
+    engine_config: EngineConfig = from_args(EngineConfig, args)
+    server_config: ServerConfig = from_args(ServerConfig, args)
+    if not engine_config.model:
+        print("kvserve serve: --model DIR is required", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=server_config.log_level.upper())
+    sock = _bind(server_config.host, server_config.port)
+    port = sock.getsockname()[1]
+
+    engine = LLMEngine(engine_config)
+    async_engine = AsyncEngine(engine)
+    publisher = None
+    if engine_config.kv_events_endpoint:
+        from kvserve.kv.event_publisher import ZmqEventPublisher
+
+        topic = engine_config.kv_events_topic or (
+            f"kv@{_advertised_host(server_config.host)}:{port}@{engine.model_name}"
+        )
+        publisher = ZmqEventPublisher(
+            engine_config.kv_events_endpoint,
+            engine_config.kv_events_replay_endpoint,
+            topic,
+            engine_config.kv_events_buffer,
+        )
+        async_engine.step_listeners.append(kv_event_listener(engine, publisher))
+
+    app = build_app(async_engine, server_config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=server_config.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=server_config.log_level in ("debug", "info"),
+        )
+    )
+    print(
+        f"kvserve: serving {engine.model_name!r} on http://{server_config.host}:{port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.run(sockets=[sock])  # uvicorn handles SIGINT/SIGTERM: stops accepting, drains
+    finally:
+        async_engine.shutdown()
+        if publisher is not None:
+            publisher.close()
+        sock.close()
+    return 0

@@ -1,0 +1,89 @@
+"""Host-memory tier: exact size, clear errors, slots, headers and verification."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kv.backends import create_backend
+from kvserve.kv.backends.base import ChunkHeader, ChunkLayout
+from kvserve.kv.backends.checksum import chunk_checksum, slot_checksums
+from kvserve.kv.backends.cpu import CpuBackend
+
+LAYOUT = ChunkLayout(
+    num_layers=3, block_size=16, num_kv_heads=2, head_dim=32, dtype="bfloat16", blocks_per_chunk=2
+)
+
+
+def test_layout_from_kv_cache() -> None:
+    kv = torch.zeros(5, 3, 2, 16, 2, 32, dtype=torch.bfloat16)
+    lay = ChunkLayout.from_kv_cache(kv, blocks_per_chunk=2)
+    assert lay == LAYOUT
+    assert lay.block_bytes == 3 * 2 * 16 * 2 * 32 * 2
+    assert lay.chunk_bytes == 2 * lay.block_bytes and lay.chunk_tokens == 32
+    assert "bfloat16" in lay.describe() and "k2" in lay.describe()
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        ChunkLayout.from_kv_cache(torch.zeros(5, 3, 16, 2, 32))
+    with pytest.raises(ValueError, match="contiguous"):
+        ChunkLayout.from_kv_cache(kv.transpose(3, 4))
+
+
+@pytest.mark.parametrize("extra", [0, 1, LAYOUT.chunk_bytes - 1])
+def test_exact_size_no_rounding(extra: int) -> None:
+    n = 37  # not a power of two
+    tier = create_backend("cpu", LAYOUT, n * LAYOUT.chunk_bytes + extra)
+    assert isinstance(tier, CpuBackend)
+    assert tier.num_slots == n
+    assert tier.nbytes == n * LAYOUT.chunk_bytes == tier.capacity_bytes
+    assert tier.blocks.shape == (n * 2, 3, 2, 16, 2, 32)
+    assert tier.blocks.dtype == torch.bfloat16
+    assert not tier.pinned  # no CUDA here
+
+
+def test_too_small_and_too_large_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="smaller than one offload chunk"):
+        CpuBackend(LAYOUT, LAYOUT.chunk_bytes - 1)
+    with pytest.raises(MemoryError, match="cannot allocate the KV offload tier"):
+        CpuBackend(LAYOUT, 1 << 50)  # 1 PiB
+    with pytest.raises(ValueError, match="unknown KV backend"):
+        create_backend("tape", LAYOUT, 1 << 20)
+
+
+def test_slot_allocation_and_double_free() -> None:
+    tier = CpuBackend(LAYOUT, 4 * LAYOUT.chunk_bytes)
+    assert tier.allocate_slots(3) == [0, 1, 2] and tier.num_free_slots() == 1
+    with pytest.raises(RuntimeError):
+        tier.allocate_slots(2)
+    tier.free_slots([1])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        tier.free_slots([1])
+    assert sorted(tier.allocate_slots(2)) == [1, 3]
+
+
+def test_headers_checksums_and_verification() -> None:
+    tier = CpuBackend(LAYOUT, 4 * LAYOUT.chunk_bytes)
+    assert tier.allocate_slots(4) == [0, 1, 2, 3]
+    torch.manual_seed(0)
+    data = torch.randn(2, *LAYOUT.block_shape).to(torch.bfloat16)
+    tier.write_chunk(1, data, ChunkHeader(key=b"k1", checksum=0))
+    h = tier.header(1)
+    assert h.key == b"k1" and h.layout == LAYOUT.describe()
+    assert h.checksum == chunk_checksum(data, b"k1")
+    # Batched checksums agree with the single-chunk form.
+    assert slot_checksums(tier.slots_u8, [1], [b"k1"]) == [h.checksum]
+    out = torch.empty_like(data)
+    assert tier.read_chunk(1, out) == h and torch.equal(out, data)
+    assert tier.verify([1, 1], [b"k1", b"other"]) == [True, False]
+    assert tier.read_chunk(0, out) is None  # empty slot
+    # Corrupt a sampled region: verification fails, read returns nothing.
+    tier.chunk_view(1).view(-1)[:4096] = 7.0
+    assert tier.verify([1], [b"k1"]) == [False]
+    assert tier.read_chunk(1, out) is None
+    # A chunk copied into the wrong slot does not verify as the right key.
+    tier.write_chunk(2, data, ChunkHeader(key=b"k2", checksum=0))
+    tier.blocks[6:8].copy_(torch.zeros_like(data))  # slot 3 content, header unset
+    tier.set_header(3, b"k2", h.checksum)
+    assert tier.verify([2, 3], [b"k2", b"k2"]) == [True, False]
+    tier.free_slots([2])
+    assert tier.header(2) is None
+    tier.close()

@@ -1,0 +1,207 @@
+"""Batched block copies and the CPU transfer worker: round trips, verification, cancel, flush."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvserve.kv.backends.base import ChunkLayout
+from kvserve.kv.backends.cpu import CpuBackend
+from kvserve.kv.offload.block_copy import block_runs, copy_blocks
+from kvserve.kv.offload.worker import (
+    ChunkCopy,
+    CpuTransferWorker,
+    TransferJob,
+    make_transfer_worker,
+)
+
+NUM_BLOCKS = 24
+SHAPE = (2, 2, 4, 2, 8)  # layers, K/V, block_size, heads, head_dim
+
+
+def kv_cache(seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(NUM_BLOCKS, *SHAPE, generator=g).to(dtype)
+
+
+def tier_for(kv: torch.Tensor, k: int, slots: int) -> CpuBackend:
+    layout = ChunkLayout.from_kv_cache(kv, blocks_per_chunk=k)
+    return CpuBackend(layout, slots * layout.chunk_bytes)
+
+
+def wait_results(worker, n: int) -> list:
+    out: list = []
+    worker.wait([])
+    for _ in range(2000):
+        out += worker.poll()
+        if len(out) >= n:
+            return out
+        threading.Event().wait(0.005)
+    raise AssertionError(f"only {len(out)} of {n} results")
+
+
+def test_block_runs() -> None:
+    assert block_runs([5, 6, 7, 1], [0, 1, 2, 3]) == [(5, 0, 3), (1, 3, 1)]
+    assert block_runs([3, 2, 1], [2, 1, 0]) == [(1, 0, 3)]  # sorted by destination
+    assert block_runs([3, 2, 1], [0, 1, 2]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError, match="twice"):
+        block_runs([1, 2], [4, 4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks_matches_reference(dtype) -> None:
+    src = kv_cache(1, dtype)
+    dst = torch.zeros_like(src)
+    g = torch.Generator().manual_seed(3)
+    src_ids = torch.randperm(NUM_BLOCKS, generator=g)[:15].tolist()
+    dst_ids = [3, 4, 5, 6, 0, 9, 8, 7, 20, 21, 23, 12, 13, 14, 16]
+    nbytes = copy_blocks(src, dst, src_ids, dst_ids)
+    assert nbytes == 15 * src[0].numel() * src.element_size()
+    ref = torch.zeros_like(src)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        ref[d] = src[s]
+    assert torch.equal(dst, ref)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_store_zero_load_round_trip(k: int) -> None:
+    kv = kv_cache(2)
+    original = kv.clone()
+    tier = tier_for(kv, k, slots=6)
+    worker = make_transfer_worker(kv, tier)
+    assert isinstance(worker, CpuTransferWorker)
+    try:
+        # Three chunks of k scattered primary blocks each, into slots 4, 0, 2.
+        blocks = [[1 + 5 * i + j for j in range(k)] for i in range(3)]
+        slots = [4, 0, 2]
+        keys = [b"a", b"b", b"c"]
+        worker.submit(
+            TransferJob(
+                1,
+                True,
+                [ChunkCopy(s, key, b) for s, key, b in zip(slots, keys, blocks, strict=True)],
+            )
+        )
+        (res,) = wait_results(worker, 1)
+        assert res.ok and res.job_id == 1 and res.nbytes == 3 * k * tier.layout.block_bytes
+        for s, b in zip(slots, blocks, strict=True):
+            assert torch.equal(tier.chunk_view(s), original[b])
+        all_blocks = [x for b in blocks for x in b]
+        kv[all_blocks] = 0
+        # Load back into the same blocks: the primary pool is restored bit for bit.
+        worker.submit(
+            TransferJob(
+                2,
+                False,
+                [ChunkCopy(s, key, b) for s, key, b in zip(slots, keys, blocks, strict=True)],
+            )
+        )
+        (res,) = wait_results(worker, 1)
+        assert res.ok and not res.bad_chunks
+        assert torch.equal(kv, original)
+        if k > 1:
+            # Partial chunk: only the last k-1 blocks of slot 0's chunk, into fresh blocks.
+            dst = [22, 23][: k - 1]
+            worker.submit(TransferJob(3, False, [ChunkCopy(0, b"b", dst, offset=1)]))
+            (res,) = wait_results(worker, 1)
+            assert res.ok and torch.equal(kv[dst], original[blocks[1][1:]])
+    finally:
+        worker.shutdown()
+
+
+def test_load_of_corrupt_or_wrong_chunk_is_reported_not_copied() -> None:
+    kv = kv_cache(4)
+    tier = tier_for(kv, 1, slots=4)
+    worker = make_transfer_worker(kv, tier)
+    try:
+        worker.submit(TransferJob(1, True, [ChunkCopy(0, b"x", [1]), ChunkCopy(1, b"y", [2])]))
+        wait_results(worker, 1)
+        tier.blocks[1].view(-1)[:64] += 1.0  # corrupt slot 1
+        before = kv.clone()
+        worker.submit(
+            TransferJob(
+                2,
+                False,
+                [ChunkCopy(0, b"x", [10]), ChunkCopy(1, b"y", [11]), ChunkCopy(0, b"z", [12])],
+            )
+        )
+        (res,) = wait_results(worker, 1)
+        assert not res.ok and res.bad_chunks == [1, 2]
+        assert torch.equal(kv[10], before[1])  # the good chunk was loaded
+        assert torch.equal(kv[11], before[11]) and torch.equal(kv[12], before[12])
+    finally:
+        worker.shutdown()
+
+
+def test_cancel_and_flush() -> None:
+    kv = kv_cache(5)
+    tier = tier_for(kv, 1, slots=8)
+    worker = CpuTransferWorker(kv, tier)
+    gate = threading.Event()
+    real_run = worker._run
+
+    def gated(job):
+        gate.wait(10)
+        return real_run(job)
+
+    worker._run = gated  # hold the thread on the first job to observe the queue
+    try:
+        for j in range(4):
+            worker.submit(TransferJob(j, True, [ChunkCopy(j, bytes([j]), [j + 1])]))
+        threading.Event().wait(0.05)
+        cancelled = worker.cancel([0, 2, 3, 99])
+        assert cancelled == {2, 3}  # job 0 already started
+        done = worker.poll()
+        assert sorted(r.job_id for r in done) == [2, 3] and all(r.cancelled for r in done)
+        gate.set()
+        worker.wait([0, 1])  # flush: blocks until both finished
+        res = sorted(worker.poll(), key=lambda r: r.job_id)
+        assert [(r.job_id, r.ok) for r in res] == [(0, True), (1, True)]
+        assert torch.equal(tier.chunk_view(1)[0], kv[2])
+        assert tier.header(2) is None and tier.header(3) is None  # cancelled: never written
+    finally:
+        worker.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        worker.submit(TransferJob(9, True, []))
+
+
+def test_shutdown_cancels_queued_jobs() -> None:
+    kv = kv_cache(6)
+    tier = tier_for(kv, 1, slots=4)
+    worker = CpuTransferWorker(kv, tier)
+    gate = threading.Event()
+    real_run = worker._run
+    worker._run = lambda job: (gate.wait(10), real_run(job))[1]
+    worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
+    worker.submit(TransferJob(1, True, [ChunkCopy(1, b"b", [2])]))
+    threading.Event().wait(0.05)
+    gate.set()
+    worker.shutdown()
+    res = {r.job_id: r for r in worker.poll()}
+    assert res[0].ok and res[1].cancelled
+
+
+def test_failed_job_reports_failure_and_worker_survives() -> None:
+    kv = kv_cache(7)
+    tier = tier_for(kv, 1, slots=2)
+    worker = CpuTransferWorker(kv, tier)
+    try:
+        worker.submit(TransferJob(1, True, [ChunkCopy(5, b"bad", [1])]))  # slot out of range
+        (res,) = wait_results(worker, 1)
+        assert not res.ok and res.bad_chunks == [0]
+        worker.submit(TransferJob(2, True, [ChunkCopy(1, b"ok", [1])]))
+        (res,) = wait_results(worker, 1)
+        assert res.ok
+    finally:
+        worker.shutdown()
+
+
+def test_layout_mismatch_is_rejected() -> None:
+    kv = kv_cache(8)
+    other = torch.zeros(4, 2, 2, 4, 2, 16)
+    tier = tier_for(other, 1, slots=2)
+    with pytest.raises(ValueError, match="do not match"):
+        make_transfer_worker(kv, tier)
