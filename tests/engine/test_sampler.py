@@ -73,7 +73,8 @@ def test_top_k_top_p_masks():
     out = apply_top_k_top_p(logits, [2, 0], [1.0, 0.6])
     # Row 0: top-2 = tokens 1 and 3. Row 1: nucleus 0.6 = tokens 1 (0.4) then 3 (0.3).
     assert torch.isfinite(out).tolist() == [[False, True, False, True]] * 2
-    out = apply_top_k_top_p(logits, [0, 3], [0.05, 0.71])
+    # Row 1: top-3 renormalizes to 0.44, 0.33, 0.22; 0.77 < 0.8 keeps the third.
+    out = apply_top_k_top_p(logits, [0, 3], [0.05, 0.8])
     assert torch.isfinite(out[0]).tolist() == [False, True, False, False]  # at least one
     assert torch.isfinite(out[1]).tolist() == [False, True, True, True]
     # Sampling never leaves the mask.

@@ -62,12 +62,13 @@ class _RequestState:
 class LLMEngine:
     """Synchronous engine: ``add_request`` then call ``step`` until nothing is unfinished."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """``runner`` replaces the model runner (the simulator passes a latency model)."""
         if not config.model:
             raise ValueError("EngineConfig.model (a local model directory) is required")
         self.config = config
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
-        self.runner = ModelRunner(config)
+        self.runner = runner if runner is not None else ModelRunner(config)
         mc = self.runner.model_config
         self.model_name = config.served_model_name or _dir_name(config.model)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -129,19 +129,18 @@ def register_connector(name: str) -> Callable[[type[KVConnectorBase]], type[KVCo
     return deco
 
 
+# Built-in connectors, imported on first use so that their registration runs.
+BUILTIN_CONNECTORS = {"offload": "kvserve.kv.offload.connector"}
+
+
 def create_connector(config: EngineConfig) -> KVConnectorBase | None:
     name = config.kv_connector
     if not name:
         return None
-    if name not in CONNECTORS:
-        # Import the built-in implementations lazily so registration happens.
+    if name not in CONNECTORS and name in BUILTIN_CONNECTORS:
         import importlib
 
-        for mod in ("kvserve.kv.offload.connector",):
-            try:
-                importlib.import_module(mod)
-            except ImportError:
-                pass
+        importlib.import_module(BUILTIN_CONNECTORS[name])
     if name not in CONNECTORS:
         raise ValueError(f"unknown kv_connector {name!r}; known: {sorted(CONNECTORS)}")
     return CONNECTORS[name](config)
