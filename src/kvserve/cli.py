@@ -13,7 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.server.cli", "OpenAI-compatible server of one engine"),
     "route": ("kvserve.cluster.cli", "KV-aware router / OpenAI-compatible gateway"),
-    "up": ("kvserve.bench.demo_cli_up", "start a local cluster (router + engines) and serve"),
+    "up": ("kvserve.bench.up", "start a local cluster (router + engines) and serve"),
     "demo": ("kvserve.bench.demo", "run the README demo on the embedded tiny model"),
     "bench": ("kvserve.bench.cli", "benchmarks and workloads"),
     "sim": ("kvserve.sim.cli", "simulated engine(s) with a latency model"),

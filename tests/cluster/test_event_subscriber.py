@@ -238,8 +238,10 @@ def test_restarted_publisher_past_our_seq_is_detected_by_replay(
             publish(pub2, eng2.stored_batch())
         assert pub2.flush()
         assert wait(
-            lambda: (publish(pub2, eng2.stored_batch()) or pub2.flush())
-            and subscriber.stats("e").restarts >= 1,
+            lambda: (
+                (publish(pub2, eng2.stored_batch()) or pub2.flush())
+                and subscriber.stats("e").restarts >= 1
+            ),
             timeout=15,
         )
         assert pub2.flush()

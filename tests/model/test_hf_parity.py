@@ -55,8 +55,12 @@ def hf_greedy(hf_model, prompt_ids):
         x = torch.tensor([ids])
         with torch.no_grad():
             gen = hf_model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS,
-                do_sample=False, eos_token_id=None, pad_token_id=0,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         out.append(gen[0, len(ids) :].tolist())
     return out
@@ -68,7 +72,9 @@ def _runner(model_dir, dtype="float32", block_size=4):
 
 def _requests(prompt_ids, block_size=4):
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    return [Request(f"r{i}", ids, greedy, block_size=block_size) for i, ids in enumerate(prompt_ids)]
+    return [
+        Request(f"r{i}", ids, greedy, block_size=block_size) for i, ids in enumerate(prompt_ids)
+    ]
 
 
 def test_full_sequence_logits(model_dir, hf_model, prompt_ids, runner_driver):

@@ -52,14 +52,19 @@ def test_chat_template(tok):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi!"},
         {"role": "assistant", "content": "Hello."},
-        {"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}],
+        },
     ]
     text = tok.apply_chat_template(msgs)
     assert text == (
         "<|system|>\nBe brief.<|eot|>\n<|user|>\nHi!<|eot|>\n<|assistant|>\nHello.<|eot|>\n"
         "<|user|>\nTwo parts<|eot|>\n<|assistant|>\n"
     )
-    assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("<|assistant|>\n")
+    assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith(
+        "<|assistant|>\n"
+    )
     ids = tok.encode(text)
     assert ids.count(tok.bos_token_id) == 1  # the template adds no BOS; encode does
     assert tok.eos_token_id in ids

@@ -83,7 +83,7 @@ class Sampler:
             idx = torch.tensor(want, device=device)
             lp = raw[idx].log_softmax(dim=-1)
             k = max(rows[i].params.logprobs for i in want)
-            top_vals, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+            top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             chosen = lp.gather(1, sampled[idx][:, None])[:, 0].tolist()
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
             for j, i in enumerate(want):

@@ -37,20 +37,34 @@ def _sentence(rng: random.Random, w: dict[str, list[str]]) -> str:
     forms = [
         lambda: f"{pick('name')} {pick('verb')} the {pick('adjective')} {pick('noun')}.",
         lambda: f"The {pick('noun')} {pick('verb')} {pick('adverb')} in {pick('place')}.",
-        lambda: f"In {pick('place')}, {pick('name')} {pick('verb')} a {pick('noun')} "
-        f"near the {pick('adjective')} {pick('noun')}.",
-        lambda: f"Every {rng.choice(DAYS)}, the {pick('noun')} {pick('verb')} the "
-        f"{pick('noun')} {pick('adverb')}.",
-        lambda: f"There were {rng.randint(2, 999)} {pick('noun')}s in {pick('place')} on "
-        f"{rng.randint(1, 28)} {rng.choice(MONTHS)} {rng.randint(1900, 2030)}.",
-        lambda: f"{pick('name')} said that {pick('topic')} was {pick('adjective')}, "
-        f"but {pick('name')} {pick('adverb')} disagreed.",
-        lambda: f"Why is the {pick('noun')} so {pick('adjective')}? "
-        f"Because it {pick('verb')} the {pick('noun')}.",
-        lambda: f"{pick('name')} and {pick('name')} talked about {pick('topic')} "
-        f"until the {pick('noun')} was {pick('adjective')}.",
-        lambda: f"{rng.randint(1, 9)}.{rng.randint(0, 99):02d} % of the {pick('noun')}s "
-        f"are {pick('adjective')}.",
+        lambda: (
+            f"In {pick('place')}, {pick('name')} {pick('verb')} a {pick('noun')} "
+            f"near the {pick('adjective')} {pick('noun')}."
+        ),
+        lambda: (
+            f"Every {rng.choice(DAYS)}, the {pick('noun')} {pick('verb')} the "
+            f"{pick('noun')} {pick('adverb')}."
+        ),
+        lambda: (
+            f"There were {rng.randint(2, 999)} {pick('noun')}s in {pick('place')} on "
+            f"{rng.randint(1, 28)} {rng.choice(MONTHS)} {rng.randint(1900, 2030)}."
+        ),
+        lambda: (
+            f"{pick('name')} said that {pick('topic')} was {pick('adjective')}, "
+            f"but {pick('name')} {pick('adverb')} disagreed."
+        ),
+        lambda: (
+            f"Why is the {pick('noun')} so {pick('adjective')}? "
+            f"Because it {pick('verb')} the {pick('noun')}."
+        ),
+        lambda: (
+            f"{pick('name')} and {pick('name')} talked about {pick('topic')} "
+            f"until the {pick('noun')} was {pick('adjective')}."
+        ),
+        lambda: (
+            f"{rng.randint(1, 9)}.{rng.randint(0, 99):02d} % of the {pick('noun')}s "
+            f"are {pick('adjective')}."
+        ),
         lambda: pick("passage"),
     ]
     return rng.choice(forms)()

@@ -105,7 +105,7 @@ def load_model(
     filled: dict[str, int] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for hf_name in f.keys():
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 target = _target(hf_name, config)
                 if target is None:
                     continue

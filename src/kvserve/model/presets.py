@@ -270,6 +270,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = make_model(args.out_dir, args.preset, args.arch)
     n = sum(1 for _ in out.iterdir())
-    print(f"wrote {args.preset} ({model_config(args.preset, args.arch)['model_type']}) "
-          f"to {out} ({n} files)")
+    print(
+        f"wrote {args.preset} ({model_config(args.preset, args.arch)['model_type']}) "
+        f"to {out} ({n} files)"
+    )
     return 0

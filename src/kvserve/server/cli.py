@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 from typing import Any
@@ -67,6 +68,13 @@ def run(args: argparse.Namespace) -> int:
         print("kvserve serve: --model DIR is required", file=sys.stderr)
         return 2
     logging.basicConfig(level=server_config.log_level.upper())
+    stop_signals: list[int] = []
+
+    def note_signal(signum: int, _frame: Any) -> None:
+        stop_signals.append(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, note_signal)
     sock = _bind(server_config.host, server_config.port)
     port = sock.getsockname()[1]
 
@@ -102,10 +110,16 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        server.run(sockets=[sock])  # uvicorn handles SIGINT/SIGTERM: stops accepting, drains
+        if not stop_signals:
+            # uvicorn handles SIGINT/SIGTERM while serving (stop accepting, drain, lifespan
+            # shutdown), then re-raises the signal: our handler below turns that into a return.
+            server.run(sockets=[sock])
     finally:
+        import time as _t; _a=_t.time()
         async_engine.shutdown()
+        print("DBG engine", _t.time()-_a, file=sys.stderr, flush=True)
         if publisher is not None:
             publisher.close()
+        print("DBG pub", _t.time()-_a, file=sys.stderr, flush=True)
         sock.close()
     return 0

@@ -111,7 +111,9 @@ class AttentionMetadata:
                 query_start=starts[i],
                 query_len=q,
                 num_computed=c,
-                block_table=torch.tensor(block_tables[i][:nblocks], dtype=torch.long, device=device),
+                block_table=torch.tensor(
+                    block_tables[i][:nblocks], dtype=torch.long, device=device
+                ),
             )
             if c:
                 # Query at position c + j sees keys [0, c + j].

@@ -1,0 +1,152 @@
+"""A local kvserve cluster in subprocesses: N engine servers (``kvserve serve``) with KV events,
+and a router (``kvserve route``) in front. Used by the demo, ``kvserve up`` and the routing
+benchmarks. Every process is stopped on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.bench.loadgen import wait_for_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ClusterSpec:
+    model_dir: str
+    num_engines: int = 2
+    engine_args: list[str] = field(default_factory=list)  # extra `kvserve serve` flags
+    offload_gib: float = 0.0  # host-memory KV tier per engine (0: off)
+    router_args: list[str] = field(default_factory=list)  # e.g. ["--picker", "round_robin"]
+    served_model_name: str = "tiny"
+    log_dir: str | None = None  # engine/router logs (default: a temporary directory)
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+
+
+class LocalCluster:
+    """``with LocalCluster(spec) as c: c.router_url`` — everything up, then torn down."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.engines: list[_Proc] = []
+        self.router: _Proc | None = None
+        self._logs: list = []
+        log_dir = spec.log_dir or os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), f"kvserve-cluster-{os.getpid()}"
+        )
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def router_url(self) -> str:
+        assert self.router is not None
+        return self.router.url
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [p.url for p in self.engines]
+
+    def _spawn(self, name: str, argv: list[str], url: str) -> _Proc:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.cli", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # our Ctrl-C handling stops it, not the terminal's
+        )
+        return _Proc(name, popen, url)
+
+    def start(self, timeout: float = 180.0) -> LocalCluster:
+        spec = self.spec
+        endpoints = []
+        try:
+            for i in range(spec.num_engines):
+                port, ev_port, replay_port = free_port(), free_port(), free_port()
+                argv = [
+                    "serve",
+                    "--model", spec.model_dir,
+                    "--served-model-name", spec.served_model_name,
+                    "--port", str(port),
+                    "--kv-events-endpoint", f"tcp://127.0.0.1:{ev_port}",
+                    "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
+                    *(["--kv-offload-size", str(spec.offload_gib)] if spec.offload_gib else []),
+                    *spec.engine_args,
+                ]  # fmt: skip
+                url = f"http://127.0.0.1:{port}"
+                self.engines.append(self._spawn(f"engine{i}", argv, url))
+                endpoints.append(
+                    f"{url},events=tcp://127.0.0.1:{ev_port},"
+                    f"replay=tcp://127.0.0.1:{replay_port},name=engine{i}"
+                )
+            rport = free_port()
+            argv = ["route", "--port", str(rport), "--tokenizer", spec.model_dir]
+            for ep in endpoints:
+                argv += ["--endpoint", ep]
+            argv += spec.router_args
+            self.router = self._spawn("router", argv, f"http://127.0.0.1:{rport}")
+            for p in [*self.engines, self.router]:
+                wait_for_server(p.url, timeout=timeout, proc=p.popen)
+            self._wait_router_sees_engines(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_router_sees_engines(self, timeout: float) -> None:
+        """The router marks endpoints healthy after its first health check."""
+        import httpx
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.router_url + "/v1/models", timeout=5.0, trust_env=False)
+                if r.status_code == 200 and r.json().get("data"):
+                    return
+            time.sleep(0.3)
+        raise TimeoutError("router did not see its engines")
+
+    def stop(self) -> None:
+        procs = [p for p in [self.router, *self.engines] if p is not None]
+        for p in procs:
+            if p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        self.engines, self.router = [], None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,111 @@
+"""A small real OpenAI-shaped HTTP server (aiohttp) to put behind the router in gateway tests.
+
+It serves /health, /v1/models, /metrics (vLLM metric names), /v1/completions and
+/v1/chat/completions (JSON or SSE stream), records what it received, and can be told to be
+unhealthy, to fail with a status, to hold a stream between chunks, or to stream slowly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+
+class FakeBackend:
+    def __init__(self, name: str, model: str = "m") -> None:
+        self.name = name
+        self.model = model
+        self.healthy = True
+        self.fail_status: int | None = None
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.running = 0.0
+        self.waiting = 0.0
+        self.kv_usage = 0.0
+        self.chunks = 3
+        self.chunk_interval = 0.0
+        self.gate: asyncio.Event | None = None  # stream: hold after the first chunk
+        self.disconnects = 0  # streams the client went away from
+        self.completed = 0
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> FakeBackend:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port or 0, reuse_address=True)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503, text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "t"}]}
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+            f'vllm:num_requests_waiting{{model_name="{self.model}"}} {self.waiting}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv_usage}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.fail_status:
+            return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
+        if not body.get("stream"):
+            self.completed += 1
+            return web.json_response(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "created": int(time.time()),
+                    "model": self.model,
+                    "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(self.chunks):
+                chunk = {"choices": [{"index": 0, "text": f"{self.name}-{i}"}], "model": self.model}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if i == 0 and self.gate is not None:
+                    await self.gate.wait()
+                if self.chunk_interval:
+                    await asyncio.sleep(self.chunk_interval)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+        self.completed += 1
+        return resp
