@@ -78,12 +78,19 @@ def run_case(model, batch: int, ctx: int, block_size: int, iters: int) -> dict[s
         tables.append(ids[pos : pos + n])
         pos += n
     kv = torch.randn(
-        num_blocks, cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim,
+        num_blocks,
+        cfg.num_hidden_layers,
+        2,
+        block_size,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
         dtype=dtype,
     )
     meta = AttentionMetadata.build(
-        block_size=block_size, query_lens=[1] * batch,
-        num_computed=[n - 1 for n in lens], block_tables=tables,
+        block_size=block_size,
+        query_lens=[1] * batch,
+        num_computed=[n - 1 for n in lens],
+        block_tables=tables,
     )
     input_ids = torch.randint(0, cfg.vocab_size, (batch,))
     positions = torch.tensor([n - 1 for n in lens])

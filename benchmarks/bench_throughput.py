@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="both engines")
     p.add_argument("--max-model-len", type=int, default=None, help="both engines")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="kvserve pool GiB")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="kvserve torch threads (offline and HTTP)"
+    )
     p.add_argument("--kvserve-args", default="", help="extra flags of `kvserve serve`")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-http", action="store_true", help="skip kvserve's HTTP run")
@@ -152,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
     }
-    kv_engine = dict(shared, kv_cache_memory=args.kv_cache_memory)
+    kv_engine = dict(shared, kv_cache_memory=args.kv_cache_memory, num_threads=args.num_threads)
     kv_engine = {k: v for k, v in kv_engine.items() if v is not None}
     print(f"workload: {workload.describe()}; model: {model_dir}", flush=True)
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"warning: load average {load:.1f}: other work skews CPU results", flush=True)
     runs = []
 
     if not args.skip_offline:

@@ -10,6 +10,7 @@ Behaviour, driven by the prompt / last user message:
   prefix with any earlier prompt (in the same units);
 - a prompt starting with token id 0 or the word ``FAIL`` gets HTTP 400 (OpenAI error body);
   ``DROP`` closes the stream after one token without ``[DONE]``;
+- with ``return_token_ids`` each choice also carries ``token_ids`` (vLLM's extension);
 - header ``x-kvserve-endpoint: fake-0``.
 """
 
@@ -112,6 +113,8 @@ def build_app(state: FakeState) -> FastAPI:
                         choice = {"index": 0, "delta": {"content": text}, "finish_reason": fin}
                     else:
                         choice = {"index": 0, "text": text, "finish_reason": fin}
+                    if body.get("return_token_ids"):
+                        choice["token_ids"] = [100 + i]
                     yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                     if drop:
                         return

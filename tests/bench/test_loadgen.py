@@ -111,6 +111,16 @@ def test_multi_turn_token_ids_with_tokenizer(fake):
     assert res.records[1].cached_tokens == len(p0)
 
 
+def test_multi_turn_token_ids_returned_by_the_server(fake):
+    w = multi_turn_workload(1, 3, first_len=4, user_len=2, output_len=2, think_time=0, vocab=VOCAB)
+    res = run_load(w, cfg(fake.url, return_token_ids=True))  # no tokenizer needed
+    assert all(r.ok for r in res.records)
+    p0, p1, p2 = (b["prompt"] for b in fake.state.received)
+    turns = w.sessions[0].turns
+    assert p1 == p0 + [100, 101] + turns[1].user
+    assert p2 == p1 + [100, 101] + turns[2].user
+
+
 def test_open_loop_follows_the_arrival_process(fake):
     fake.state.reset(ttft=0.0, itl=0.0)
     w = random_workload(12, 4, 1, vocab=VOCAB)

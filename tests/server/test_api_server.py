@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -133,6 +134,27 @@ def test_completion_batch_and_n(served):
     assert [by_index[2], by_index[3]] == [singles[1]] * 2
     tok = served.engine.tokenizer
     assert resp.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+
+
+def test_concurrent_clients_are_batched_and_get_their_own_answers(served):
+    client = served.client()
+    prompts = [f"Request number {i} asks about" for i in range(6)]
+
+    def complete(prompt: str, stream: bool) -> str:
+        kw = dict(model=served.model, prompt=prompt, max_tokens=8, **greedy())
+        if not stream:
+            return client.completions.create(**kw).choices[0].text
+        return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+
+    sequential = [complete(p, False) for p in prompts]
+    steps_before = served.async_engine.num_steps
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(complete, p, i % 2 == 1) for i, p in enumerate(prompts)]
+        concurrent = [f.result() for f in futures]
+    assert concurrent == sequential
+    # Continuous batching: far fewer steps than 6 requests x 8 tokens one at a time.
+    assert served.async_engine.num_steps - steps_before < len(prompts) * 8
+    served.wait_idle()
 
 
 def test_seeded_sampling_is_reproducible_and_n_choices_differ(served):
@@ -310,6 +332,7 @@ def _bad_completions(model: str) -> list[tuple[str, object, str | None]]:
     return [
         ("invalid json", b'{"model": "x", "prompt": ', None),
         ("not an object", b"[1, 2, 3]", None),
+        ("empty body", b"", None),
         (
             "wrong type max_tokens",
             {"model": model, "prompt": "hi", "max_tokens": "5"},

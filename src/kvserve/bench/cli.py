@@ -163,6 +163,11 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--min-tokens", action="store_true", help="also send min_tokens=max_tokens")
+    g.add_argument(
+        "--return-token-ids",
+        action="store_true",
+        help="ask for generated token ids (vLLM's return_token_ids) for multi-turn feedback",
+    )
     g.add_argument("--warmup", type=int, default=2, help="requests sent before measuring")
     g.add_argument("--header", action="append", default=[], metavar="NAME:VALUE")
 
@@ -360,6 +365,7 @@ def load_config(args: argparse.Namespace, url: str, model: str, label: str):
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens,
+        return_token_ids=args.return_token_ids,
         seed=args.seed,
         headers=_headers(args),
         record_trace=bool(getattr(args, "save_trace", None)),

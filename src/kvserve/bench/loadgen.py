@@ -54,6 +54,9 @@ class LoadConfig:
     ignore_eos: bool = True
     min_tokens: bool = False  # also send min_tokens = max_tokens
     include_usage: bool = True
+    # Ask for the generated token ids (vLLM's ``return_token_ids``); when a server streams
+    # ``token_ids`` per choice, multi-turn token-id workloads feed back the exact ids.
+    return_token_ids: bool = False
     timeout: float = 1800.0  # per request
     seed: int = 0
     endpoint_headers: tuple[str, ...] = DEFAULT_ENDPOINT_HEADERS
@@ -90,6 +93,8 @@ def request_body(cfg: LoadConfig, req: TurnRequest) -> dict:
         body["min_tokens"] = req.output_len
     if cfg.include_usage:
         body["stream_options"] = {"include_usage": True}
+    if cfg.return_token_ids:
+        body["return_token_ids"] = True
     body.update(cfg.extra_body)
     return body
 
@@ -148,6 +153,7 @@ async def send_request(
     url = cfg.api_base + ("/chat/completions" if cfg.api == "chat" else "/completions")
     body = request_body(cfg, req)
     parts: list[str] = []
+    ids: list[int] = []
     events = 0
     usage_tokens: int | None = None
     last: float | None = None
@@ -189,6 +195,7 @@ async def send_request(
                 for choice in chunk.get("choices") or []:
                     if choice.get("index", 0) != 0:
                         continue
+                    ids.extend(choice.get("token_ids") or ())
                     is_token, text = _token_text(cfg.api, choice)
                     if not is_token:
                         continue
@@ -203,20 +210,21 @@ async def send_request(
                 rec.error = "stream ended without [DONE]"
     except asyncio.CancelledError:
         rec.error = CANCELLED
-        _finish(rec, st, last, events, usage_tokens, parts)
+        _finish(rec, st, last, events, usage_tokens, parts, ids)
         raise
     except (httpx.HTTPError, OSError) as e:
         rec.error = f"{type(e).__name__}: {e}".strip()
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         rec.error = f"bad response: {type(e).__name__}: {e}"
-    _finish(rec, st, last, events, usage_tokens, parts)
+    _finish(rec, st, last, events, usage_tokens, parts, ids)
     return rec
 
 
-def _finish(rec, st, last, events, usage_tokens, parts) -> None:
+def _finish(rec, st, last, events, usage_tokens, parts, ids) -> None:
     rec.e2e = None if last is None else last - st
     rec.output_tokens = usage_tokens if usage_tokens is not None else events
     rec.output_text = "".join(parts)
+    rec.output_token_ids = ids or None
 
 
 class _Progress:
@@ -336,8 +344,8 @@ async def _drive(
             progress.advance(rec)
             if rec.error is not None:
                 return  # the history is lost: end the session
-            conv.record_answer(rec.output_text)
-            rec.output_text = ""
+            conv.record_answer(rec.output_text, rec.output_token_ids)
+            rec.output_text, rec.output_token_ids = "", None
 
     sessions = workload.sessions
     with _Progress(cfg.progress, workload.num_requests, cfg.label) as progress:
@@ -389,7 +397,7 @@ async def _drive(
         end = max(end, min(time.perf_counter(), deadline))
     records.sort(key=lambda r: r.start_time)
     for r in records:
-        r.output_text = ""  # answers were only needed for the next turn
+        r.output_text, r.output_token_ids = "", None  # only needed for the next turn
     return LoadResult(records, end - t0, sent, len(sessions) - started)
 
 

@@ -78,6 +78,8 @@ def describe_machine() -> dict:
         "gpus": _gpus(),
         "torch": _version("torch"),
         "kvserve": _version("kvserve"),
+        # Other work on the machine skews CPU results (torch's OpenMP threads suffer most).
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -87,4 +89,5 @@ def machine_markdown(m: dict) -> str:
         f"- CPU: {m.get('cpu_model')} ({m.get('nproc')} usable cores of {m.get('cpu_count')})\n"
         f"- Memory: {m.get('memory_gib')} GiB; GPUs: {gpus}\n"
         f"- Platform: {m.get('platform')}; Python {m.get('python')}; torch {m.get('torch')}\n"
+        f"- Load average (1 min) when the report was written: {m.get('loadavg_1m')}\n"
     )

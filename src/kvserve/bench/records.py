@@ -23,7 +23,9 @@ class RequestRecord:
     e2e: float | None = None  # send to last token
     endpoint: str | None = None  # instance that served it (router header), when known
     error: str | None = None
-    output_text: str = ""  # kept only when the driver needs it (multi-turn feedback)
+    # The answer, kept only until the next turn is built (multi-turn feedback).
+    output_text: str = ""
+    output_token_ids: list[int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -43,5 +45,6 @@ class RequestRecord:
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("output_text")
+        d.pop("output_token_ids")
         d["itl"] = [round(x, 6) for x in self.itl]
         return d

@@ -19,10 +19,11 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import takewhile
-from operator import attrgetter
+from itertools import repeat
+
+import msgspec
 
 from kvserve.engine.hashing import DEFAULT_PREFIX_HASH_SEED, encode_tokens, hash_block, seed_hash
 from kvserve.kv.events import AllBlocksCleared, AnyKVEvent, BlockRemoved, BlockStored
@@ -70,17 +71,15 @@ def mask_weights(tier_weights: dict[str, float]) -> list[float]:
     return out
 
 
-class _Entry:
-    """One block held by one endpoint."""
+class _Entry(msgspec.Struct, gc=False):
+    """One block held by one endpoint. A C-level struct, untracked by the garbage collector:
+    an index holds millions and creates ~100k a second."""
 
-    __slots__ = ("engine_hash", "key", "key_bytes", "mask", "dups")
-
-    def __init__(self, engine_hash: int, key: int, key_bytes: bytes, mask: int) -> None:
-        self.engine_hash = engine_hash
-        self.key = key
-        self.key_bytes = key_bytes
-        self.mask = mask
-        self.dups: dict[int, int] | None = None  # extra copies per medium bit
+    engine_hash: int
+    key: int
+    key_bytes: bytes  # our full hash: the parent of the next block
+    mask: int  # media bits
+    dups: dict[int, int] | None = None  # extra copies per medium bit
 
     def add(self, bit: int) -> None:
         if self.mask & bit:
@@ -102,19 +101,15 @@ class _Entry:
 
 
 class _EndpointBlocks:
-    __slots__ = ("block_size", "by_engine", "by_key", "ghosts")
+    __slots__ = ("bit", "block_size", "by_engine", "by_key", "ghosts")
 
-    def __init__(self) -> None:
+    def __init__(self, bit: int) -> None:
+        self.bit = bit  # this endpoint's bit in the holder masks
         self.block_size: int | None = None
         self.by_engine: dict[int, _Entry] = {}
         self.by_key: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         # Engine hash -> key bytes of blocks no longer held, to resolve late parents.
         self.ghosts: OrderedDict[int, bytes] = OrderedDict()
-
-    def clear(self) -> None:
-        self.by_engine.clear()
-        self.by_key.clear()
-        self.ghosts.clear()
 
 
 @dataclass
@@ -129,11 +124,20 @@ class IndexStats:
     clears: int = 0
 
 
-_get_mask = attrgetter("mask")
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
 
 
 class KVIndex:
-    """Block key -> endpoints and media, per endpoint bounded by ``max_blocks_per_endpoint``."""
+    """Block key -> endpoints and media, per endpoint bounded by ``max_blocks_per_endpoint``.
+
+    Besides each endpoint's own maps, two shared maps make matching one pass over the
+    prompt whatever the number of endpoints: key -> bitmask of the endpoints holding it, and
+    key -> bitmask of those holding it only below GPU (empty unless lower tiers publish).
+    """
 
     def __init__(
         self,
@@ -151,6 +155,11 @@ class KVIndex:
         self.mask_weights = mask_weights(tier_weights or {})
         self._root = seed_hash(seed)
         self._endpoints: dict[str, _EndpointBlocks] = {}
+        self._by_bit: dict[int, _EndpointBlocks] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+        self._holders: dict[int, int] = {}
+        self._lower: dict[int, int] = {}
         self._lock = threading.Lock()
         self.stats = IndexStats()
 
@@ -196,36 +205,58 @@ class KVIndex:
             ep = self._endpoints.get(endpoint)
             if ep is None or not ep.by_key:
                 return 0, 0.0
-            return self._match(ep, keys)
+            return self._runs(keys, ep.bit)[ep.bit]
 
     def match_endpoints(
         self, endpoints: Iterable[str], keys_for: Callable[[int], Sequence[int]]
     ) -> dict[str, tuple[int, float, int]]:
         """For each endpoint: (matched blocks, weighted blocks, prompt blocks).
 
-        ``keys_for(block_size)`` gives the prompt's keys for that endpoint's block size
-        (callers memoize it: endpoints usually share one block size).
+        ``keys_for(block_size)`` gives the prompt's keys for a block size (callers memoize
+        it: endpoints usually share one block size, so the prompt is hashed once).
         """
         out: dict[str, tuple[int, float, int]] = {}
         with self._lock:
+            groups: dict[int, int] = {}
+            names: dict[int, str] = {}
             for name in endpoints:
                 ep = self._endpoints.get(name)
                 if ep is None or ep.block_size is None or not ep.by_key:
                     out[name] = (0, 0.0, 0)
                     continue
-                keys = keys_for(ep.block_size)
-                n, w = self._match(ep, keys)
-                out[name] = (n, w, len(keys))
+                groups[ep.block_size] = groups.get(ep.block_size, 0) | ep.bit
+                names[ep.bit] = name
+            for bs, alive in groups.items():
+                keys = keys_for(bs)
+                for bit, (n, w) in self._runs(keys, alive).items():
+                    out[names[bit]] = (n, w, len(keys))
         return out
 
-    def _match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
-        by_key = ep.by_key
-        run = list(takewhile(by_key.__contains__, keys))
-        if not run:
-            return 0, 0.0
-        weights = self.mask_weights
-        weighted = sum(map(weights.__getitem__, map(_get_mask, map(by_key.__getitem__, run))))
-        return len(run), weighted
+    def _runs(self, keys: Sequence[int], alive: int) -> dict[int, tuple[int, float]]:
+        """Run length and weighted run, from block 0, of every endpoint bit in ``alive``."""
+        holders, lower = self._holders, self._lower
+        runs: dict[int, int] = {}
+        penalty: dict[int, float] = {}
+        i = -1
+        for i, k in enumerate(keys):  # noqa: B007 - i is used after the loop
+            m = holders.get(k, 0) & alive
+            if m != alive:
+                for b in _bits(alive ^ m):
+                    runs[b] = i
+                alive = m
+                if not alive:
+                    break
+            if lower:
+                low = lower.get(k, 0) & alive
+                if low:  # held below GPU only: a hit worth its tier's weight
+                    w = self.mask_weights
+                    for b in _bits(low):
+                        mask = self._by_bit[b].by_key[k].mask
+                        penalty[b] = penalty.get(b, 0.0) + 1.0 - w[mask]
+        else:
+            for b in _bits(alive):
+                runs[b] = i + 1
+        return {b: (n, n - penalty.get(b, 0.0)) for b, n in runs.items()}
 
     # ------------------------------------------------------------------ updates
 
@@ -235,7 +266,7 @@ class KVIndex:
         with self._lock:
             ep = self._endpoints.get(endpoint)
             if ep is None:
-                ep = self._endpoints[endpoint] = _EndpointBlocks()
+                ep = self._add_endpoint(endpoint)
             for ev in events:
                 if isinstance(ev, BlockStored):
                     n += self._store(ep, ev)
@@ -259,18 +290,43 @@ class KVIndex:
         with self._lock:
             ep = self._endpoints.pop(endpoint, None)
             if ep is not None:
-                self.stats.blocks -= len(ep.by_key)
-                ep.clear()
+                self._clear(ep)
+                del self._by_bit[ep.bit]
+                self._free_bits.append(ep.bit)
+
+    def _add_endpoint(self, endpoint: str) -> _EndpointBlocks:
+        if self._free_bits:
+            bit = self._free_bits.pop()
+        else:
+            bit, self._next_bit = self._next_bit, self._next_bit << 1
+        ep = self._endpoints[endpoint] = self._by_bit[bit] = _EndpointBlocks(bit)
+        return ep
 
     def _clear(self, ep: _EndpointBlocks) -> None:
+        holders, lower, keep = self._holders, self._lower, ~ep.bit
+        for key in ep.by_key:
+            m = holders[key] & keep
+            if m:
+                holders[key] = m
+            else:
+                del holders[key]
+            if key in lower:
+                m = lower[key] & keep
+                if m:
+                    lower[key] = m
+                else:
+                    del lower[key]
         self.stats.blocks -= len(ep.by_key)
-        ep.clear()
+        ep.by_engine.clear()
+        ep.by_key.clear()
+        ep.ghosts.clear()
 
     def _store(self, ep: _EndpointBlocks, ev: BlockStored) -> int:
         bs = ev.block_size
         hashes = ev.block_hashes
         tokens = ev.token_ids
-        if ev.kv_cache_spec_kind != "full_attention" or bs <= 0 or len(tokens) != len(hashes) * bs:
+        n = len(hashes)
+        if ev.kv_cache_spec_kind != "full_attention" or bs <= 0 or len(tokens) != n * bs:
             self.stats.skipped_events += 1
             return 0
         if ep.block_size != bs:
@@ -287,54 +343,97 @@ class KVIndex:
             else:
                 parent = ep.ghosts.get(ev.parent_block_hash)
                 if parent is None:
-                    self.stats.unresolved_parents += len(hashes)
+                    self.stats.unresolved_parents += n
                     return 0
+        # Our keys for the event's blocks: the hash chain from the resolved parent.
         data = encode_tokens(tokens)
         stride = 4 * bs
-        bit = medium_bit(ev.medium)
+        key_bytes: list[bytes] = []
         extra = ev.extra_keys
-        sha = hashlib.sha256
+        if extra is None or not any(extra):
+            sha = hashlib.sha256
+            append = key_bytes.append
+            for off in range(0, n * stride, stride):
+                parent = sha(parent + data[off : off + stride]).digest()
+                append(parent)
+        else:
+            for i in range(n):
+                x = extra[i] if i < len(extra) else None
+                parent = hash_block(parent, data[i * stride : (i + 1) * stride], x)
+                key_bytes.append(parent)
+        bit = medium_bit(ev.medium)
         by_engine, by_key = ep.by_engine, ep.by_key
-        added = 0
-        for i, h in enumerate(hashes):
-            chunk = data[i * stride : (i + 1) * stride]
-            x = extra[i] if extra is not None and i < len(extra) else None
-            if x:
-                parent = hash_block(parent, chunk, x)
+        holders, epbit = self._holders, ep.bit
+        frm = int.from_bytes
+        keys = [frm(kb[-8:], "big") for kb in key_bytes]
+        if (
+            by_engine.keys().isdisjoint(hashes)
+            and by_key.keys().isdisjoint(keys)
+            and len(set(hashes)) == n
+        ):
+            # All new (the common case): insert in bulk, at C speed.
+            entries = list(map(_Entry, hashes, keys, key_bytes, repeat(bit)))
+            by_engine.update(zip(hashes, entries, strict=True))
+            by_key.update(zip(keys, entries, strict=True))
+            if holders.keys().isdisjoint(keys):
+                holders.update(dict.fromkeys(keys, epbit))
             else:
-                d = sha(parent)
-                d.update(chunk)
-                parent = d.digest()
+                for key in keys:
+                    holders[key] = holders.get(key, 0) | epbit
+            if bit != 1:
+                lower = self._lower
+                for key in keys:
+                    lower[key] = lower.get(key, 0) | epbit
+            self.stats.blocks += n
+            self.stats.stored_blocks += n
+            self._bound(ep)
+            return n
+        added = 0
+        for h, parent, key in zip(hashes, key_bytes, keys, strict=True):
             e = by_engine.get(h)
             if e is not None and by_key.get(e.key) is e:
                 if e.key_bytes == parent:
-                    e.add(bit)
+                    self._add_copy(ep, e, bit)
                     by_key.move_to_end(e.key)
                     continue
                 # The engine reused a hash for other content (restart without a clear).
                 self._drop(ep, e)
-            key = int.from_bytes(parent[-8:], "big")
             e = by_key.get(key)
             if e is not None:  # another engine hash of the same content: one more copy
-                e.add(bit)
+                self._add_copy(ep, e, bit)
                 by_engine[h] = e
                 by_key.move_to_end(key)
                 continue
             e = _Entry(h, key, parent, bit)
             by_engine[h] = e
             by_key[key] = e
+            holders[key] = holders.get(key, 0) | epbit
+            if bit != 1:
+                self._lower[key] = self._lower.get(key, 0) | epbit
             added += 1
         self.stats.blocks += added
-        self.stats.stored_blocks += len(hashes)
-        over = len(by_key) - self.max_blocks_per_endpoint
-        for _ in range(max(over, 0)):
-            _, old = by_key.popitem(last=False)
-            if by_engine.get(old.engine_hash) is old:
-                del by_engine[old.engine_hash]
-            self._ghost(ep, old)
-            self.stats.blocks -= 1
+        self.stats.stored_blocks += n
+        self._bound(ep)
+        return n
+
+    def _bound(self, ep: _EndpointBlocks) -> None:
+        by_key = ep.by_key
+        for _ in range(len(by_key) - self.max_blocks_per_endpoint):
+            self._drop(ep, by_key[next(iter(by_key))])  # the least recently stored
             self.stats.evicted_blocks += 1
-        return len(hashes)
+
+    def _add_copy(self, ep: _EndpointBlocks, e: _Entry, bit: int) -> None:
+        was_lower = not e.mask & 1
+        e.add(bit)
+        if was_lower and e.mask & 1:
+            self._unset_lower(e.key, ep.bit)
+
+    def _unset_lower(self, key: int, epbit: int) -> None:
+        m = self._lower.get(key, 0) & ~epbit
+        if m:
+            self._lower[key] = m
+        else:
+            self._lower.pop(key, None)
 
     def _remove(self, ep: _EndpointBlocks, ev: BlockRemoved) -> int:
         bit = medium_bit(ev.medium)
@@ -348,12 +447,15 @@ class KVIndex:
                 del by_engine[h]
                 self.stats.unknown_removals += 1
                 continue
+            had_gpu = e.mask & 1
             if not e.remove(bit):
                 self.stats.unknown_removals += 1
                 continue
             if e.mask == 0:
                 self._drop(ep, e)
                 by_engine.pop(h, None)
+            elif had_gpu and not e.mask & 1:  # now only on lower tiers
+                self._lower[e.key] = self._lower.get(e.key, 0) | ep.bit
         self.stats.removed_blocks += len(ev.block_hashes)
         return len(ev.block_hashes)
 
@@ -361,10 +463,14 @@ class KVIndex:
         del ep.by_key[e.key]
         if ep.by_engine.get(e.engine_hash) is e:
             del ep.by_engine[e.engine_hash]
-        self._ghost(ep, e)
-        self.stats.blocks -= 1
-
-    def _ghost(self, ep: _EndpointBlocks, e: _Entry) -> None:
+        m = self._holders[e.key] & ~ep.bit
+        if m:
+            self._holders[e.key] = m
+        else:
+            del self._holders[e.key]
+        if e.key in self._lower:
+            self._unset_lower(e.key, ep.bit)
         ep.ghosts[e.engine_hash] = e.key_bytes
         if len(ep.ghosts) > self.max_ghosts_per_endpoint:
             ep.ghosts.popitem(last=False)
+        self.stats.blocks -= 1

@@ -186,6 +186,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(request_id, loop, asyncio.Queue(), loop.create_future())
         with self._cond:
+            self._check_alive()  # again under the lock: a failing loop takes the streams
             if request_id in self._streams:
                 raise KeyError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream

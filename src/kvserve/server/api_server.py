@@ -55,6 +55,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             detail = err.get("ctx", {}).get("error", err.get("msg"))
             return f"Invalid JSON body: {detail}", None
+        if not loc and err.get("type") == "missing":
+            return "The request body is empty; send a JSON object", None
+        if not loc and err.get("type") in ("model_attributes_type", "dict_type"):
+            return "The request body must be a JSON object (Content-Type: application/json)", None
         msgs = by_field.setdefault(loc[0] if loc else "", [])
         where = ".".join(loc[1:])
         # Union branches name the branch type in the location, not a position: leave it out.

@@ -115,11 +115,8 @@ def run(args: argparse.Namespace) -> int:
             # shutdown), then re-raises the signal: our handler below turns that into a return.
             server.run(sockets=[sock])
     finally:
-        import time as _t; _a=_t.time()
         async_engine.shutdown()
-        print("DBG engine", _t.time()-_a, file=sys.stderr, flush=True)
         if publisher is not None:
             publisher.close()
-        print("DBG pub", _t.time()-_a, file=sys.stderr, flush=True)
         sock.close()
     return 0

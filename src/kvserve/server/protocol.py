@@ -25,7 +25,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # usage on every chunk (vLLM extension)
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # defaults to the served model
@@ -49,7 +49,7 @@ class _SamplingFields(_Request):
     cache_salt: str | None = None  # isolates this tenant's prefix cache
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt``: text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -71,7 +71,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -39,9 +40,9 @@ from kvserve.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
+    SamplingFields,
     TopLogprob,
     Usage,
-    _SamplingFields,
 )
 
 _INT64 = 1 << 64
@@ -58,7 +59,6 @@ class _Choice:
     last: RequestOutput | None = None
     sent_text: int = 0  # characters of text already streamed
     sent_tokens: int = 0  # tokens already streamed
-    role_sent: bool = False
 
     @property
     def output(self) -> CompletionOutput | None:
@@ -71,14 +71,13 @@ class _Batch:
 
     request_id: str
     model: str
-    num_prompts: int
     choices: list[_Choice] = field(default_factory=list)
 
     def abort(self) -> None:
         for c in self.choices:
-            if c.stream is not None:
+            if c.stream is not None:  # accepted by the engine (rejected ones are not counted)
                 c.stream.abort()
-            c.tracker.finish(None if c.output is None else c.output.finish_reason)
+                c.tracker.finish(None if c.output is None else c.output.finish_reason)
 
     async def outputs(self) -> AsyncIterator[_Choice]:
         """Each choice whose request progressed, as outputs arrive (merged over choices)."""
@@ -175,7 +174,7 @@ class OpenAIServing:
             )
         return self.model_name
 
-    def _check_common(self, req: _SamplingFields) -> None:
+    def _check_common(self, req: SamplingFields) -> None:
         if req.n > self.max_n:
             raise bad_request(f"n must be at most {self.max_n}, got {req.n}", "n")
         if req.presence_penalty or req.frequency_penalty:
@@ -213,7 +212,7 @@ class OpenAIServing:
         return max_tokens
 
     def _params(
-        self, req: _SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None
+        self, req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None
     ) -> SamplingParams:
         try:
             return SamplingParams(
@@ -237,12 +236,12 @@ class OpenAIServing:
         self,
         prefix: str,
         model: str,
-        req: _SamplingFields,
+        req: SamplingFields,
         prompts: list[list[int]],
         params: list[SamplingParams],
     ) -> _Batch:
         """One engine request per (prompt, choice); all accepted or none left running."""
-        batch = _Batch(f"{prefix}-{uuid.uuid4().hex}", model, len(prompts))
+        batch = _Batch(f"{prefix}-{uuid.uuid4().hex}", model)
         for p in range(len(params)):
             for j in range(req.n):
                 c = _Choice(index=p * req.n + j, prompt_index=p, tracker=self.metrics.track())
@@ -265,15 +264,16 @@ class OpenAIServing:
         self,
         batch: _Batch,
         c: _Choice,
-        req: _SamplingFields,
+        req: SamplingFields,
         prompts: list[list[int]],
         params: list[SamplingParams],
     ) -> RequestStream:
         base = params[c.prompt_index]
         j = c.index - c.prompt_index * req.n
         p = base
-        if j and base.seed is not None:  # derived seed, wrapped into the int64 range
-            p = dataclasses.replace(base, seed=(base.seed + j + (1 << 63)) % _INT64 - (1 << 63))
+        if j:  # each choice its own params; a derived seed, wrapped into the int64 range
+            seed = None if base.seed is None else (base.seed + j + (1 << 63)) % _INT64 - (1 << 63)
+            p = dataclasses.replace(base, seed=seed)
         rid = f"{batch.request_id}-{c.prompt_index}-{j}"
         try:
             stream = await self.engine.add_request(
@@ -306,7 +306,7 @@ class OpenAIServing:
             out.append(ids)
         return out
 
-    async def create_completion(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def create_completion(self, req: CompletionRequest) -> Response:
         model = self.check_model(req.model)
         self._check_common(req)
         if req.echo:
@@ -344,7 +344,7 @@ class OpenAIServing:
         resp = CompletionResponse(
             id=batch.request_id, model=model, choices=choices, usage=batch.usage()
         )
-        return JSONResponse(resp.model_dump())
+        return _json(resp)
 
     async def _completion_stream(
         self, batch: _Batch, logprobs: int | None, include_usage: bool
@@ -432,9 +432,7 @@ class OpenAIServing:
         self._check_tokens(ids, "messages")
         return ids
 
-    async def create_chat_completion(
-        self, req: ChatCompletionRequest
-    ) -> JSONResponse | StreamingResponse:
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
         model = self.check_model(req.model)
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -467,7 +465,7 @@ class OpenAIServing:
         resp = ChatCompletionResponse(
             id=batch.request_id, model=model, choices=choices, usage=batch.usage()
         )
-        return JSONResponse(resp.model_dump())
+        return _json(resp)
 
     async def _chat_stream(
         self, batch: _Batch, k: int | None, include_usage: bool
@@ -552,6 +550,11 @@ async def _drain(batch: _Batch) -> None:
 def _error_body(exc: BaseException) -> str:
     err = exc if isinstance(exc, APIError) else APIError(f"generation failed: {exc}", 500)
     return err.body().model_dump_json()
+
+
+def _json(body: BaseModel) -> Response:
+    # pydantic writes non-finite floats (a -inf logprob) as null instead of failing.
+    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _streaming(gen: AsyncIterator[str]) -> StreamingResponse:

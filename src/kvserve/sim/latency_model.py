@@ -149,20 +149,22 @@ H100_LLAMA8B = LatencyModel(
 )
 
 # cpu-tiny: the real kvserve engine running the ``tiny`` preset (4 layers, hidden 256, 2 KV
-# heads x 64, fp32) on this project's 2-core x86 machine with torch single-threaded, fitted by
-# ``python -m kvserve.sim.calibrate --preset tiny`` (least squares over prefill steps of
-# 16..1024 tokens and decode steps of batch 1..32 at contexts 32..1024; the script prints the
-# measurements next to the fit). KV per token: 4 layers x 2 x 2 heads x 64 x 4 bytes = 4 KiB.
-# Host "transfers" on a CPU engine are memcpy within RAM: ~5 GB/s measured for block copies.
+# heads x 64, fp32; torch CPU, one thread) on this project's 2-core x86 build machine, fitted
+# by ``python -m kvserve.sim.calibrate --preset tiny --repeats 2`` (non-negative least squares,
+# relative error weighting, over whole ``engine.step()`` calls: prefills of 16..1024 tokens
+# and decode steps of batch 1..32 at contexts 32..1024; the engine thread's CPU time, since
+# the machine was shared; mean fit error 9.6%, max 30%). KV per token: 4 layers x 2 x 2 heads
+# x 64 x 4 bytes = 4 KiB. "Transfers" on a CPU engine are block copies within RAM: 4.3 GB/s
+# measured by the same script with the offload connector's ``copy_blocks``.
 CPU_TINY = LatencyModel(
     name="cpu-tiny",
-    fixed=1.6e-3,
-    prefill_per_token=33e-6,
-    prefill_attn_per_ctx=9e-9,
-    decode_per_seq=140e-6,
-    decode_per_ctx=45e-9,
+    fixed=10.8e-3,
+    prefill_per_token=235e-6,
+    prefill_attn_per_ctx=0.593e-6,
+    decode_per_seq=0.579e-3,
+    decode_per_ctx=4.72e-6,
     kv_bytes_per_token=4096,
-    cpu_bandwidth=5 * GB,
+    cpu_bandwidth=4.3 * GB,
     transfer_latency=50e-6,
     max_model_len=2048,
     default_kv_tokens=262_144,
@@ -176,4 +178,5 @@ def get_preset(name: str) -> LatencyModel:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown latency preset {name!r}; choose from {sorted(PRESETS)}") from None
+        known = sorted(PRESETS)
+        raise ValueError(f"unknown latency preset {name!r}; choose from {known}") from None
