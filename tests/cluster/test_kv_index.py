@@ -4,7 +4,6 @@ and the oracle: a real vLLM event capture must give each probe the prefix vLLM c
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -15,9 +14,8 @@ from kvserve.cluster.prompt_keys import prompt_block_keys
 from kvserve.engine.hashing import hash_block_tokens, hash_to_int
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
-# shared/ lies beside the repository checkout (override with KVSERVE_SHARED).
-SHARED = Path(os.environ.get("KVSERVE_SHARED", Path(__file__).resolve().parents[3] / "shared"))
-FIXTURES = SHARED / "fixtures"
+# A copy of shared/fixtures (vLLM 0.32 capture; see tests/fixtures/README.md).
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 EVENTS = FIXTURES / "vllm_kv_events_b32.jsonl"
 REQUESTS = FIXTURES / "vllm_kv_events_b32.requests.json"
 

@@ -92,27 +92,27 @@ class Harness:
 
     def _run_forward(self, so: SchedulerOutput) -> ModelRunnerOutput:
         mro = ModelRunnerOutput()
+        work = []
+        # Like a model layer: first write every scheduled token's KV, then attend.
         for req in so.scheduled:
             rid = req.request_id
             table = so.block_ids[rid]
             start, n = req.num_computed_tokens, so.num_scheduled_tokens[rid]
             slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(start + n)])
-            flat = self.kv[:, 0].permute(0, 2, 1, 3, 4).reshape(-1, 2, 2)  # [slot, K/V, D]
             want = expected_kv(req.all_token_ids[: start + n])
-            got = flat[slots[:start]]
-            if not torch.equal(got, want[:start]):
-                bad = (got != want[:start]).any(-1).any(-1).nonzero().flatten().tolist()
-                raise AssertionError(f"{rid}: wrong KV at positions {bad[:10]} of {start}")
-            self.checked_tokens += start
-            # "Compute": write the new tokens' KV through the block table.
-            b = slots[start:] // BS
-            o = slots[start:] % BS
-            self.kv[b, 0, :, o] = want[start:].unsqueeze(-2)
-            if start + n == req.num_tokens:
-                # Sample from what attention would read: all KV of the sequence.
-                flat = self.kv[:, 0].permute(0, 2, 1, 3, 4).reshape(-1, 2, 2)
-                s = int(flat[slots].double().sum().item())
-                mro.sampled_token_ids[rid] = [s % VOCAB]
+            self.kv[slots[start:] // BS, 0, :, slots[start:] % BS] = want[start:].unsqueeze(-2)
+            work.append((req, slots, want))
+        flat = self.kv[:, 0].permute(0, 2, 1, 3, 4).reshape(-1, 2, 2)  # [slot, K/V, D]
+        for req, slots, want in work:
+            rid = req.request_id
+            got = flat[slots]
+            if not torch.equal(got, want):
+                bad = (got != want).any(-1).any(-1).nonzero().flatten().tolist()
+                raise AssertionError(f"{rid}: wrong KV at positions {bad[:10]} of {len(want)}")
+            self.checked_tokens += len(want)
+            if len(want) == req.num_tokens:
+                # Sample from what attention reads: all KV of the sequence.
+                mro.sampled_token_ids[rid] = [int(got.double().sum().item()) % VOCAB]
         return mro
 
     def step(self) -> SchedulerOutput:

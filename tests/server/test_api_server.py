@@ -25,10 +25,13 @@ def greedy(**kw):
     return dict(temperature=0, **kw)
 
 
-def assert_tokens_spell(tokens: list[str], text: str) -> None:
-    """Per-token strings spell the text, except where a token holds part of a UTF-8 character
-    (decoded alone it is U+FFFD; the text holds the character back until it is complete)."""
-    joined = "".join(tokens)
+def assert_tokens_spell(served, tokens: list[str], text: str) -> None:
+    """Per-token strings spell the text, except special tokens (shown in logprobs, skipped in
+    the text) and tokens holding part of a UTF-8 character (alone they decode to U+FFFD; the
+    text holds the character back until it is complete)."""
+    tok = served.engine.tokenizer
+    special = {tok.decode([i], skip_special_tokens=False) for i in tok.all_special_ids}
+    joined = "".join(t for t in tokens if t not in special)
     if "\ufffd" in joined:
         assert text.startswith(joined.split("\ufffd")[0])
     else:
@@ -205,7 +208,7 @@ def test_completion_logprobs(served):
     )
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert_tokens_spell(lp.tokens, resp.choices[0].text)
+    assert_tokens_spell(served, lp.tokens, resp.choices[0].text)
     assert lp.text_offset[0] == 0
     for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert token_lp <= 0.0
@@ -275,7 +278,7 @@ def test_chat_logprobs_and_n(served):
     assert resp.choices[0].message.content == resp.choices[1].message.content
     content = resp.choices[0].logprobs.content
     assert len(content) == 4
-    assert_tokens_spell([t.token for t in content], resp.choices[0].message.content)
+    assert_tokens_spell(served, [t.token for t in content], resp.choices[0].message.content)
     for t in content:
         assert len(t.top_logprobs) == 2
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)

@@ -10,6 +10,7 @@ through a command queue.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -141,6 +142,10 @@ class EventSubscriber:
             while not self._stop.is_set():
                 if self._do_commands():
                     continue
+                if not self._streams:  # nothing to poll (zmq would return at once): wait
+                    with contextlib.suppress(queue.Empty):
+                        self._do_command(self._commands.get(timeout=self.poll_interval))
+                    continue
                 events = dict(poller.poll(self.poll_interval * 1000))
                 for st in list(self._streams.values()):
                     if st.dealer is not None and events.get(st.dealer):
@@ -162,7 +167,6 @@ class EventSubscriber:
             self._streams.clear()
 
     def _do_commands(self) -> bool:
-        poller = self._poller
         did = False
         while True:
             try:
@@ -170,29 +174,32 @@ class EventSubscriber:
             except queue.Empty:
                 return did
             did = True
-            if cmd[0] == "add":
-                _, name, address, replay_address, topic = cmd
-                if name in self._streams:  # re-added (changed address): start over
-                    self._drop_stream(name)
-                    self.index.clear_endpoint(name)
-                sub = self._ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.RCVHWM, self.recv_hwm)
-                sub.setsockopt(zmq.LINGER, 0)
-                sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-                try:
-                    sub.connect(address)
-                except zmq.ZMQError as e:
-                    logger.error("cannot subscribe to KV events of %s at %s: %s", name, address, e)
-                    sub.close(linger=0)
-                    continue
-                st = _Stream(name, address, replay_address, topic.encode("utf-8"), sub)
-                self._streams[name] = st
-                self._stats[name] = st.stats
-                poller.register(sub, zmq.POLLIN)
-            elif cmd[0] == "remove":
-                self._drop_stream(cmd[1])
-                self._stats.pop(cmd[1], None)
-                self.index.remove_endpoint(cmd[1])
+            self._do_command(cmd)
+
+    def _do_command(self, cmd: tuple) -> None:
+        if cmd[0] == "remove":
+            self._drop_stream(cmd[1])
+            self._stats.pop(cmd[1], None)
+            self.index.remove_endpoint(cmd[1])
+            return
+        _, name, address, replay_address, topic = cmd
+        if name in self._streams:  # re-added (changed address): start over
+            self._drop_stream(name)
+            self.index.clear_endpoint(name)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.recv_hwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
+        try:
+            sub.connect(address)
+        except zmq.ZMQError as e:
+            logger.error("cannot subscribe to KV events of %s at %s: %s", name, address, e)
+            sub.close(linger=0)
+            return
+        st = _Stream(name, address, replay_address, topic.encode("utf-8"), sub)
+        self._streams[name] = st
+        self._stats[name] = st.stats
+        self._poller.register(sub, zmq.POLLIN)
 
     def _drop_stream(self, name: str) -> None:
         st = self._streams.pop(name, None)

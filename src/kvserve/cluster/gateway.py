@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import time
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -58,6 +58,7 @@ _HOP_BY_HOP = frozenset(
 )
 _KEEP_RESPONSE_HEADERS = ("content-type", "x-request-id", "cache-control")
 _INLINE_TOKENS = 4096  # token-id prompts longer than this are hashed on a worker thread
+_json_decode = msgspec.json.Decoder().decode
 
 
 class UpstreamFailed(Exception):
@@ -101,6 +102,9 @@ class Router:
         self.pool.on_removed.append(self._endpoint_removed)
         self.metrics = RouterMetrics(lambda: (self.pool, self.index, self.subscriber))
         self._session: aiohttp.ClientSession | None = None
+        self._upstream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
+        )
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -246,8 +250,8 @@ class Router:
         t0 = time.perf_counter()
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            body = _json_decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError):
             self.metrics.rejected.labels("400").inc()
             return _error(400, "request body is not valid JSON")
         if not isinstance(body, dict):
@@ -307,14 +311,13 @@ class Router:
         self, ep: Endpoint, path: str, raw: bytes, headers: dict[str, str], last: bool
     ) -> aiohttp.ClientResponse:
         assert self._session is not None
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=self.config.connect_timeout_s,
-            sock_read=self.config.first_byte_timeout_s,
-        )
         try:
             upstream = await self._session.post(
-                ep.url + path, data=raw, headers=headers, timeout=timeout, allow_redirects=False
+                ep.url + path,
+                data=raw,
+                headers=headers,
+                timeout=self._upstream_timeout,
+                allow_redirects=False,
             )
         except aiohttp.ClientConnectorError as e:
             raise UpstreamFailed("connect", str(e), endpoint_down=True) from None

@@ -143,7 +143,7 @@ class KVIndex:
         self,
         *,
         seed: str = DEFAULT_PREFIX_HASH_SEED,
-        max_blocks_per_endpoint: int = 4_000_000,
+        max_blocks_per_endpoint: int = 2_000_000,
         tier_weights: dict[str, float] | None = None,
         max_ghosts_per_endpoint: int = 65536,
     ) -> None:
@@ -215,19 +215,23 @@ class KVIndex:
         ``keys_for(block_size)`` gives the prompt's keys for a block size (callers memoize
         it: endpoints usually share one block size, so the prompt is hashed once).
         """
+        endpoints = list(endpoints)
         out: dict[str, tuple[int, float, int]] = {}
+        # Hash outside the lock (a long prompt takes milliseconds; ingestion must not wait).
+        sizes = {self.endpoint_block_size(n) for n in endpoints}
+        keys_by_size = {bs: keys_for(bs) for bs in sizes if bs}
         with self._lock:
             groups: dict[int, int] = {}
             names: dict[int, str] = {}
             for name in endpoints:
                 ep = self._endpoints.get(name)
-                if ep is None or ep.block_size is None or not ep.by_key:
+                if ep is None or ep.block_size not in keys_by_size or not ep.by_key:
                     out[name] = (0, 0.0, 0)
                     continue
                 groups[ep.block_size] = groups.get(ep.block_size, 0) | ep.bit
                 names[ep.bit] = name
             for bs, alive in groups.items():
-                keys = keys_for(bs)
+                keys = keys_by_size[bs]
                 for bit, (n, w) in self._runs(keys, alive).items():
                     out[names[bit]] = (n, w, len(keys))
         return out

@@ -92,18 +92,17 @@ def hash_block_tokens(
     stride = 4 * block_size
     n_full = len(token_ids) // block_size
     out: list[BlockHash] = []
-    salted = bool(cache_salt) or bool(lora_name)
-    sha = hashlib.sha256
-    for i in range(n_full):
-        chunk = data[i * stride : (i + 1) * stride]
-        if salted:
+    if cache_salt or lora_name:
+        for i in range(n_full):
             extra = block_extra_keys(start_block + i, cache_salt, lora_name)
-            parent = hash_block(parent, chunk, extra)
-        else:
-            h = sha(parent)
-            h.update(chunk)
-            parent = h.digest()
-        out.append(parent)
+            parent = hash_block(parent, data[i * stride : (i + 1) * stride], extra)
+            out.append(parent)
+        return out
+    sha = hashlib.sha256
+    append = out.append
+    for i in range(0, n_full * stride, stride):  # hot path: the router hashes every prompt
+        parent = sha(parent + data[i : i + stride]).digest()
+        append(parent)
     return out
 
 

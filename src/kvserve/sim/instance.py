@@ -207,7 +207,28 @@ class SimInstance:
             )
             self.async_engine.step_listeners.append(kv_event_listener(self.engine, self.publisher))
         self.app = build_app(self.async_engine, server_config)
+        self.app.add_api_route("/sim/stats", self.sim_stats, methods=["GET"])
         self.server = _Server.make(self.app, server_config.log_level)
+
+    async def sim_stats(self) -> dict:
+        """The runner's modelled vs slept time: ``overrun_s`` > 0 means the host could not keep
+        the modelled pace (CPU contention); results are then pessimistic."""
+        s = self.runner.snapshot()
+        return {
+            "name": self.name,
+            "latency_model": self.runner.latency.name,
+            "time_scale": self.runner.time_scale,
+            "steps": s.steps,
+            "modelled_s": s.modelled_s,
+            "slept_s": s.slept_s,
+            "overrun_s": s.overrun_s,
+            # >1: busy steps took longer than modelled (host too slow for this time scale)
+            "pace": s.busy_wall_s / s.busy_modelled_s if s.busy_modelled_s else None,
+            "busy_wall_s": s.busy_wall_s,
+            "busy_modelled_s": s.busy_modelled_s,
+            "prefill_tokens": s.prefill_tokens,
+            "decode_tokens": s.decode_tokens,
+        }
 
     @property
     def url(self) -> str:

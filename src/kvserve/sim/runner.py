@@ -13,6 +13,7 @@ tokens are never sampled: a request runs to its ``max_tokens``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -71,6 +72,8 @@ class SimRunnerStats:
     modelled_s: float = 0.0
     slept_s: float = 0.0  # wall seconds actually slept
     overrun_s: float = 0.0  # wall time past a step's modelled end (CPU contention)
+    busy_wall_s: float = 0.0  # wall time of busy steps, engine overhead between them included
+    busy_modelled_s: float = 0.0  # their modelled time (x time_scale: the ideal busy wall)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     last_step: StepShape = field(default_factory=StepShape)
@@ -160,27 +163,32 @@ class SimModelRunner:
         step ended (scheduling, outputs) counts against the step's fixed overhead, so a
         busy engine keeps the modelled pace instead of adding Python time to every step."""
         now = time.perf_counter()
+        ideal = seconds
         fixed = self.latency.fixed * self.time_scale
+        busy = False
         if self._last_end is not None:
             gap = now - self._last_end
-            if gap < 4 * fixed:  # busy: the gap was the engine's own overhead, else idle
+            busy = gap < 4 * fixed  # the gap was the engine's own overhead, else idle
+            if busy:
                 seconds -= min(gap, fixed)
         end = now + max(0.0, seconds)
         if seconds > 0:
             time.sleep(seconds)
         done = time.perf_counter()
         with self._lock:
-            self.stats.slept_s += done - now
-            self.stats.overrun_s += max(0.0, done - end)
+            s = self.stats
+            s.slept_s += done - now
+            s.overrun_s += max(0.0, done - end)
+            if busy:
+                assert self._last_end is not None
+                s.busy_wall_s += done - self._last_end
+                s.busy_modelled_s += ideal
         self._last_end = done
 
     def snapshot(self) -> SimRunnerStats:
         with self._lock:
             s = self.stats
-            return SimRunnerStats(
-                s.steps, s.modelled_s, s.slept_s, s.overrun_s, s.prefill_tokens,
-                s.decode_tokens, s.last_step,
-            )  # fmt: skip
+            return dataclasses.replace(s)
 
 
 @dataclass(frozen=True)

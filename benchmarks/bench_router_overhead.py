@@ -1,0 +1,346 @@
+"""Router overhead: latency `kvserve route` adds per request, at 50, 200 and 500 req/s.
+
+Goals (issue 4): added p50 <= 1 ms and p99 <= 5 ms at 200 req/s.
+
+Four fast fake OpenAI backends (aiohttp, one process) answer a completion at once. The real
+router (`kvserve route`, its own process, default scheduler: prefix scorers, load, queue,
+KV utilization) sits in front of them. This process sends open-loop Poisson traffic of
+`/v1/completions` requests (1,024-token prompts given as token ids, 8 shared 768-token
+system prompts, so the router hashes 63 blocks and its routing history has hits) and, in the
+same run, the same traffic straight to the backends. Phases alternate direct / routed
+(``--blocks`` blocks of ``--block-s`` seconds each per rate) so both see the same machine;
+the overhead is routed minus direct, percentile by percentile. The router's CPU time per
+request (from /proc) is reported too: unlike latency it does not depend on what else runs.
+
+    .venv/bin/python benchmarks/bench_router_overhead.py          # ~1.5 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from kvserve.bench.machine import describe_machine, machine_markdown
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "bench-model"
+
+
+# --------------------------------------------------------------------------- fake backends
+
+
+async def serve_backends(n: int) -> None:
+    from aiohttp import web
+
+    body = json.dumps(
+        {
+            "id": "cmpl-x",
+            "object": "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " hello", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1024, "completion_tokens": 1, "total_tokens": 1025},
+        }
+    ).encode()
+
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=body, content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+            "vllm:kv_cache_usage_perc 0.1\n"
+        )
+
+    ports = []
+    for _ in range(n):
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ports.append(site._server.sockets[0].getsockname()[1])
+    print(json.dumps({"ports": ports}), flush=True)
+    await asyncio.Event().wait()
+
+
+# --------------------------------------------------------------------------- load
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(32000) for _ in range(768)] for _ in range(8)]
+    return [rng.choice(systems) + [rng.randrange(32000) for _ in range(256)] for _ in range(n)]
+
+
+async def run_phase(
+    session: aiohttp.ClientSession, urls: list[str], rate: float, seconds: float, seed: int
+) -> tuple[list[float], int]:
+    """Open-loop Poisson arrivals for ``seconds``; returns latencies (ms) and errors."""
+    rng = random.Random(seed)
+    prompts = make_prompts(256, seed)
+    bodies = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": 1}) for p in prompts]
+    lat: list[float] = []
+    errors = 0
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        url = urls[i % len(urls)]
+        t0 = time.perf_counter()
+        try:
+            async with session.post(
+                url, data=bodies[i % len(bodies)], headers={"Content-Type": "application/json"}
+            ) as r:
+                await r.read()
+                ok = r.status == 200
+        except aiohttp.ClientError:
+            ok = False
+        if ok:
+            lat.append((time.perf_counter() - t0) * 1e3)
+        else:
+            errors += 1
+
+    tasks = []
+    start = time.perf_counter()
+    t, i = 0.0, 0
+    while t < seconds:
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+        i += 1
+        t += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    return lat, errors
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def routing_seconds(session: aiohttp.ClientSession, router: str) -> tuple[float, float]:
+    async with session.get(router + "/metrics") as r:
+        text = await r.text()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("kvserve_router_routing_seconds_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("kvserve_router_routing_seconds_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+async def measure(args: argparse.Namespace, backends: list[str], router: str, pid: int) -> list:
+    rows = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        warm = [router + "/v1/completions"]
+        await run_phase(s, warm, 100, 2.0, seed=99)  # warm up connections, caches
+        await run_phase(s, [b + "/v1/completions" for b in backends], 100, 1.0, seed=98)
+        for rate in args.rates:
+            direct: list[float] = []
+            routed: list[float] = []
+            errors = {"direct": 0, "routed": 0}
+            cpu = 0.0
+            n_routed = 0
+            rs0 = await routing_seconds(s, router)
+            for k in range(args.blocks):
+                for kind in ("direct", "routed"):
+                    urls = (
+                        [b + "/v1/completions" for b in backends]
+                        if kind == "direct"
+                        else [router + "/v1/completions"]
+                    )
+                    c0 = proc_cpu_s(pid)
+                    lat, err = await run_phase(s, urls, rate, args.block_s, seed=1000 * k)
+                    if kind == "routed":
+                        cpu += proc_cpu_s(pid) - c0
+                        n_routed += len(lat) + err
+                    (direct if kind == "direct" else routed).extend(lat)
+                    errors[kind] += err
+            rs1 = await routing_seconds(s, router)
+            row = {
+                "rate": rate,
+                "requests_direct": len(direct),
+                "requests_routed": len(routed),
+                "errors": errors,
+                "direct_p50_ms": pct(direct, 0.5),
+                "direct_p99_ms": pct(direct, 0.99),
+                "routed_p50_ms": pct(routed, 0.5),
+                "routed_p99_ms": pct(routed, 0.99),
+                "overhead_p50_ms": pct(routed, 0.5) - pct(direct, 0.5),
+                "overhead_p99_ms": pct(routed, 0.99) - pct(direct, 0.99),
+                "router_cpu_ms_per_request": 1e3 * cpu / max(n_routed, 1),
+                "router_routing_ms_mean": 1e3 * (rs1[0] - rs0[0]) / max(rs1[1] - rs0[1], 1),
+                "loadavg_1m": os.getloadavg()[0],
+            }
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[50, 200, 500])
+    ap.add_argument("--blocks", type=int, default=2, help="direct/routed block pairs per rate")
+    ap.add_argument("--block-s", type=float, default=4.0)
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--serve-backends", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(RESULTS / "router_overhead"))
+    args = ap.parse_args()
+    if args.serve_backends:
+        asyncio.run(serve_backends(args.serve_backends))
+        return
+
+    backend_proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve-backends", str(args.backends)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    router_proc = None
+    try:
+        ports = json.loads(backend_proc.stdout.readline())["ports"]
+        backends = [f"http://127.0.0.1:{p}" for p in ports]
+        rport = free_port()
+        cmd = [sys.executable, "-m", "kvserve.cli", "route", "--port", str(rport)]
+        for b in backends:
+            cmd += ["--endpoint", f"{b},model={MODEL}"]
+        router_proc = subprocess.Popen(cmd)
+        router = f"http://127.0.0.1:{rport}"
+        deadline = time.time() + 60
+        import urllib.request
+
+        while True:
+            try:
+                with urllib.request.urlopen(router + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline or router_proc.poll() is not None:
+                raise SystemExit("router did not come up")
+            time.sleep(0.2)
+        rows = asyncio.run(measure(args, backends, router, router_proc.pid))
+    finally:
+        for p in (router_proc, backend_proc):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    machine = describe_machine()
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()[:10]
+    record = {
+        "benchmark": "router_overhead",
+        "machine": machine,
+        "lscpu": lscpu,
+        "nproc": os.cpu_count(),
+        "config": {
+            "backends": args.backends,
+            "blocks": args.blocks,
+            "block_s": args.block_s,
+            "prompt_tokens": 1024,
+            "scheduler": "default (precise_prefix 3, approx_prefix 3, load 2, queue 1, kv 1)",
+        },
+        "rows": rows,
+        "goals": {"rate": 200, "overhead_p50_ms": 1.0, "overhead_p99_ms": 5.0},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        "| req/s | n direct / routed | direct p50 / p99 ms | routed p50 / p99 ms | "
+        "**overhead p50 / p99 ms** | router CPU ms/req | routing ms (mean) | errors | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rate']:.0f} | {r['requests_direct']} / {r['requests_routed']} | "
+            f"{r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
+            f"{r['routed_p50_ms']:.2f} / {r['routed_p99_ms']:.2f} | "
+            f"**{r['overhead_p50_ms']:.2f} / {r['overhead_p99_ms']:.2f}** | "
+            f"{r['router_cpu_ms_per_request']:.2f} | {r['router_routing_ms_mean']:.3f} | "
+            f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
+        )
+    lscpu_text = "\n".join(lscpu)
+    verdict = []
+    for r in rows:
+        if r["rate"] == 200:
+            met = r["overhead_p50_ms"] <= 1.0 and r["overhead_p99_ms"] <= 5.0
+            verdict.append(
+                f"- At 200 req/s: overhead p50 {r['overhead_p50_ms']:.2f} ms, p99 "
+                f"{r['overhead_p99_ms']:.2f} ms: goal {'met' if met else 'NOT met'} on this run."
+            )
+    cpu = [r["router_cpu_ms_per_request"] for r in rows]
+    if cpu:
+        c = statistics.median(cpu)
+        verdict.append(
+            f"- The router spent {c:.2f} ms of CPU per request (median over rates), i.e. one "
+            f"free core serves about {1000 / c:.0f} req/s; when the machine cannot give it "
+            "that much CPU, requests queue and the added latency is queueing, not routing."
+        )
+    md = f"""# Router overhead (`kvserve route` vs direct)
+
+`.venv/bin/python benchmarks/bench_router_overhead.py` ({time.strftime("%Y-%m-%d")}).
+Goal: added latency p50 <= 1 ms and p99 <= 5 ms at 200 req/s.
+
+## Machine
+{machine_markdown(machine)}
+```
+{lscpu_text}
+nproc: {os.cpu_count()}
+```
+
+## Results
+{args.backends} fake backends, 1,024-token token-id prompts, open-loop Poisson arrivals,
+{args.blocks} x {args.block_s:.0f} s direct and {args.blocks} x {args.block_s:.0f} s routed per
+rate, interleaved. Overhead = routed - direct at the same percentile. "load" is the machine's
+1-minute load average (2 cores; other work was running).
+
+{chr(10).join(lines)}
+
+{chr(10).join(verdict)}
+"""
+    out.with_suffix(".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

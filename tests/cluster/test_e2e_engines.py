@@ -1,0 +1,61 @@
+"""The router in front of real `kvserve serve` processes (tiny model): a repeated session lands
+on the engine holding its prefix, and a killed engine costs no request."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import httpx
+import pytest
+
+from kvserve.bench.local_cluster import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    spec = ClusterSpec(
+        model_dir=str(tiny_model_dir),
+        num_engines=2,
+        engine_args=["--num-kv-blocks", "256", "--num-threads", "1"],
+        log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
+    )
+    with LocalCluster(spec) as c:
+        yield c
+
+
+def _complete(client: httpx.Client, url: str, prompt: list[int]) -> tuple[str, int]:
+    r = client.post(
+        url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    details = body["usage"].get("prompt_tokens_details") or {}
+    return r.headers["x-kvserve-endpoint"], details.get("cached_tokens", 0)
+
+
+def test_sessions_follow_their_prefix_then_survive_a_dead_engine(cluster):
+    rng = random.Random(0)
+    sessions = [[rng.randrange(10, 2000) for _ in range(96)] for _ in range(6)]
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        first = {i: _complete(client, cluster.router_url, p)[0] for i, p in enumerate(sessions)}
+        assert len(set(first.values())) == 2, "cold sessions should spread over both engines"
+        time.sleep(1.0)  # KV events reach the router's index
+        for i, p in enumerate(sessions):
+            turn2 = p + [rng.randrange(10, 2000) for _ in range(20)]
+            endpoint, cached = _complete(client, cluster.router_url, turn2)
+            assert endpoint == first[i], f"session {i} moved from {first[i]} to {endpoint}"
+            assert cached >= 80  # 5 of its 6 full blocks (the 96th token is recomputed)
+
+        victim = first[0]
+        proc = next(p for p in cluster.engines if p.name == victim).popen
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for p in sessions:  # every request succeeds, on the survivor
+            endpoint, _ = _complete(client, cluster.router_url, p + [7, 8, 9])
+            assert endpoint != victim
