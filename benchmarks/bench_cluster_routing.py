@@ -277,9 +277,7 @@ def warmup_workload(workload: Workload, vocab: Vocab, question_len: int, seed: i
     return Workload("prefix-groups-warmup", sessions, workload.kind)
 
 
-def run_strategy(
-    strategy: str, args, workload, warmup, num_blocks: int, log_root: Path
-) -> Run:
+def run_strategy(strategy: str, args, workload, warmup, num_blocks: int, log_root: Path) -> Run:
     log_dir = log_root / strategy
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = Procs(log_dir)
@@ -373,18 +371,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-instances", type=int, default=16)
     ap.add_argument("--preset", default="h100-llama8b")
-    ap.add_argument("--time-scale", type=float, default=4.0)
+    ap.add_argument("--time-scale", type=float, default=12.0)
     ap.add_argument("--num-groups", type=int, default=32)
-    ap.add_argument("--users-per-group", type=int, default=32)
+    ap.add_argument("--users-per-group", type=int, default=10)
     ap.add_argument("--prefix-len", type=int, default=6144)
     ap.add_argument("--question-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--fraction", type=float, default=0.7, help="prefixes / cluster KV")
-    ap.add_argument("--rate", type=float, default=100.0, help="modelled requests per second")
+    ap.add_argument("--rate", type=float, default=120.0, help="modelled requests per second")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--offload-gib", type=float, default=0.0,
-                    help="host tier per instance in precise-tiers (default: 2x the pool)")  # fmt: skip
+    ap.add_argument(
+        "--offload-gib",
+        type=float,
+        default=0.0,
+        help="host tier per instance in precise-tiers (default: 2x the pool)",
+    )
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", help="tokenizer directory (default: the cached tiny preset)")

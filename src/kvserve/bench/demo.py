@@ -8,6 +8,7 @@ twice and prints the comparison (TTFT, throughput, prompt tokens served from cac
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -41,7 +42,11 @@ def _phase(args, model_dir: Path, label: str, offload: bool, router_args: list[s
         model_dir=str(model_dir),
         num_engines=args.engines,
         offload_gib=args.offload_gib if offload else 0.0,
-        engine_args=["--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "16"],
+        engine_args=[
+            *("--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "16"),
+            # Engines share this machine's cores: oversubscribed torch threads thrash.
+            *("--num-threads", str(max(1, (os.cpu_count() or 1) // args.engines))),
+        ],
         router_args=router_args,
     )
     vocab, tokenize = tokenizer_for(model_dir)

@@ -81,8 +81,11 @@ class RequestStream:
         while not queue.empty() and not isinstance(items[-1], BaseException):
             items.append(queue.get_nowait())
         if isinstance(items[-1], BaseException):
-            self.finished = True
-            raise items[-1]
+            error = items.pop()
+            if not items:
+                self.finished = True
+                raise error
+            queue.put_nowait(error)  # the outputs that came before it are seen first
         out = items[-1] if len(items) == 1 else _merge(items)
         if out.finished:
             self.finished = True

@@ -93,7 +93,12 @@ class LLM:
         """Apply the model's chat template, then :meth:`generate`."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=True)
+            # A template that renders the BOS itself must not get a second one.
+            has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token)
+            prompts.append(tok.encode(text, add_special_tokens=not has_bos))
         return self.generate(prompts, sampling_params, **kwargs)
 
     def get_stats(self) -> EngineStats:

@@ -58,7 +58,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a fp32 cos/sin table indexed by position (built on first use on
-    the positions' device, so the module can be materialized from the meta device)."""
+    the positions' device, so the module can be materialized from the meta device).
+
+    ``cos_sin(positions, dtype)`` is looked up once per forward and shared by every layer."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -72,23 +74,39 @@ class RotaryEmbedding(nn.Module):
         emb = torch.outer(t, inv_freq).repeat(1, 2)
         self._cos, self._sin = emb.cos().to(device), emb.sin().to(device)
 
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, 1, D/2]`` cos and sin (both halves of HF's table are equal) in ``dtype``."""
+        if self._cos is None or self._cos.device != positions.device:
+            self._build(positions.device)
+        half = self.config.head_dim // 2
+        cos = self._cos[positions, :half].unsqueeze(1).to(dtype)
+        sin = self._sin[positions, :half].unsqueeze(1).to(dtype)
+        return cos, sin
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cos is None or self._cos.device != positions.device:
-            self._build(positions.device)
-        cos = self._cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self._sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on halves (same roundings as HF, no concat of
+    ``rotate_half``): ``[x1 c - x2 s, x2 c + x1 s]``."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, backend=None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -105,13 +123,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.backend = get_attention_backend()
+        self.backend = backend or get_attention_backend()
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -122,7 +139,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        cos, sin = cos_sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -140,9 +158,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, backend=None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, backend)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -150,12 +168,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -167,8 +184,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One backend for all layers: its gather workspace is reused layer after layer.
+        self.attn_backend = get_attention_backend()
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, self.attn_backend) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
@@ -189,8 +208,9 @@ class LlamaForCausalLM(nn.Module):
         ``kv_cache``: ``[num_blocks, num_layers, 2, block_size, H_kv, D]``; this step's K/V
         are written into it at ``attn_metadata.slot_mapping``."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, attn_metadata, kv_cache)
+            x = layer(x, cos_sin, attn_metadata, kv_cache)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not stop_signals:
             # uvicorn handles SIGINT/SIGTERM while serving (stop accepting, drain, lifespan
-            # shutdown), then re-raises the signal: our handler below turns that into a return.
+            # shutdown), then re-raises the signal: note_signal above turns that into a return.
             server.run(sockets=[sock])
     finally:
         async_engine.shutdown()

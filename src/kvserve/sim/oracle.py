@@ -6,12 +6,15 @@ candidate, reads the engine's block pool (exact primary-cache hit of the prompt)
 tier (exact host-tier hit), and its waiting and running queues (the prefill work ahead), then
 predicts the request's time to first token with the instance's own latency model::
 
-    ttft(e) = queue_prefill_work(e) + transfer(tier hit) + prefill(uncached tokens)
-              + in-transit work routed to e but not admitted yet
+    ttft(e) = queue_prefill_work(e) + in-transit work routed to e but not admitted yet
+              + own(e),   own(e) = transfer(tier hit) + prefill(uncached tokens)
 
-and picks the minimum. No event lag, no estimation of what an instance holds: an upper bound
-for routers that learn instance state from KV events and scraped metrics. Reads are
-lock-free lookups of dicts and copies of queues (atomic under the GIL).
+and picks the minimum of ``ttft(e) + own(e) - min own``: a miss also delays every request
+queued behind it, so work beyond the cheapest placement counts twice (pure minimum-TTFT
+greedy scatters a group's requests under load and loses its cache). No event lag, no
+estimation of what an instance holds: an upper bound for routers that learn instance state
+from KV events and scraped metrics. Reads are lock-free lookups of dicts and copies of
+queues (atomic under the GIL).
 """
 
 from __future__ import annotations
@@ -40,9 +43,15 @@ class OracleScorer:
     def __init__(self, cluster: SimCluster) -> None:
         self.instances = cluster.by_name()
         self._transit: dict[str, deque[tuple[float, float]]] = {n: deque() for n in self.instances}
+        self._own: dict[str, float] = {}
 
     def predicted_ttft(self, inst: SimInstance, req: RoutingRequest) -> float:
         """Modelled seconds until ``req``'s first token if it were sent to ``inst`` now."""
+        own, ahead = self.predict(inst, req)
+        return own + ahead
+
+    def predict(self, inst: SimInstance, req: RoutingRequest) -> tuple[float, float]:
+        """(the request's own load + prefill time, the work queued ahead of it) on ``inst``."""
         engine = inst.engine
         lat = inst.runner.latency
         cfg = engine.config
@@ -56,7 +65,7 @@ class OracleScorer:
         tier_blocks = self._tier_hit(engine, hashes, hit)
         own = lat.prefill_time(n, (hit + tier_blocks) * bs)
         own += lat.transfer_time(tier_blocks * inst.runner.kv_block_bytes())
-        return own + self._queue_time(inst) + self._transit_time(inst.name)
+        return own, self._queue_time(inst) + self._transit_time(inst.name)
 
     @staticmethod
     def _gpu_hit(engine, hashes: list[bytes]) -> int:
@@ -107,11 +116,14 @@ class OracleScorer:
         return sum(w for _, w in q)
 
     def score(self, req: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
-        costs = []
-        for e in endpoints:
-            inst = self.instances.get(e.name)
-            costs.append(float("inf") if inst is None else self.predicted_ttft(inst, req))
-        self._last = dict(zip((e.name for e in endpoints), costs, strict=True))
+        inf = float("inf")
+        preds = [
+            self.predict(inst, req) if (inst := self.instances.get(e.name)) else (inf, inf)
+            for e in endpoints
+        ]
+        min_own = min(own for own, _ in preds)
+        costs = [ahead + 2 * own - min_own for own, ahead in preds]
+        self._own = {e.name: own for e, (own, _) in zip(endpoints, preds, strict=True)}
         finite = [c for c in costs if c != float("inf")]
         if not finite:
             return [0.0] * len(endpoints)
@@ -125,10 +137,9 @@ class OracleScorer:
         if inst is None:
             return
         # The request's own prefill is now work ahead of the next one, until admitted.
-        own = self._last.get(endpoint.name, 0.0) if hasattr(self, "_last") else 0.0
-        queue = self._queue_time(inst) + self._transit_time(endpoint.name)
+        own = self._own.get(endpoint.name, 0.0)
         ttl = TRANSIT_S * max(1.0, inst.runner.time_scale)
-        self._transit[endpoint.name].append((time.monotonic() + ttl, max(0.0, own - queue)))
+        self._transit[endpoint.name].append((time.monotonic() + ttl, own))
 
 
 def oracle_router_config(cluster: SimCluster, port: int, host: str, tokenizer: str) -> RouterConfig:

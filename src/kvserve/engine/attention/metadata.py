@@ -1,8 +1,10 @@
 """Per-step attention metadata: where this step's tokens go in the paged KV cache and what
 context each request's queries attend to.
 
-Built once per step by the model runner and shared by every layer. Requests are ordered
-decodes first (one query token each), then prefills (chunks of one or more prompt tokens).
+Built once per step by the model runner and shared by every layer, so per-layer work is only
+tensor ops: slot indices, flat decode block lists and masks are computed here once. Requests
+are ordered decodes first (one query token each), then prefills (chunks of one or more prompt
+tokens).
 """
 
 from __future__ import annotations
@@ -37,10 +39,18 @@ class AttentionMetadata:
     seq_lens: list[int]  # [N] context length after this step (cached + new)
     num_decodes: int  # the first num_decodes requests have exactly one query token
     num_prefills: int
-    # Decodes (batched): block tables padded with the null block 0, and a padding mask.
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    # Decodes (batched): block tables padded with the null block 0, flattened row-major to
+    # [num_decodes * decode_max_blocks] (one index_select gathers them all).
+    decode_block_ids: torch.Tensor | None = None
+    decode_max_blocks: int = 0
+    # Keys each decode attends to after the gather: all decodes see ``decode_kv_len`` slots;
+    # when their lengths differ, ``decode_mask`` [num_decodes, 1, 1, decode_kv_len] (bool,
+    # True = attend) hides the padding, else it is None (no mask at all).
+    decode_kv_len: int = 0
+    decode_mask: torch.Tensor | None = None
     prefills: list[PrefillInfo] = field(default_factory=list)
+    # Cache of ``write_rows`` per KV-view geometry (every layer shares one).
+    _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -49,6 +59,25 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @property
+    def decode_block_tables(self) -> torch.Tensor | None:
+        """``[num_decodes, max_blocks]`` view of :attr:`decode_block_ids`."""
+        if self.decode_block_ids is None:
+            return None
+        return self.decode_block_ids.view(self.num_decodes, self.decode_max_blocks)
+
+    def write_rows(self, block_stride: int, kv_stride: int) -> torch.Tensor:
+        """Row indices ``[2T]`` (K rows, then V rows) of this step's tokens in a view of one
+        layer's cache as rows of ``H_kv * D`` elements, where block ``b``'s K (V) slot ``o``
+        is row ``b * block_stride + o`` (``+ kv_stride``)."""
+        key = (block_stride, kv_stride)
+        rows = self._rows.get(key)
+        if rows is None:
+            blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+            k_rows = blocks * block_stride + (self.slot_mapping - blocks * self.block_size)
+            rows = self._rows[key] = torch.cat([k_rows, k_rows + kv_stride])
+        return rows
 
     @classmethod
     def build(
@@ -84,8 +113,17 @@ class AttentionMetadata:
                 )
             starts.append(starts[-1] + q)
             seq_lens.append(seq_len)
-            for pos in range(c, seq_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            if q == 1:
+                slots.append(table[c // block_size] * block_size + c % block_size)
+                continue
+            # Whole-block runs: slots of positions [c, c + q) block by block.
+            pos = c
+            while pos < seq_len:
+                off = pos % block_size
+                take = min(block_size - off, seq_len - pos)
+                base = table[pos // block_size] * block_size
+                slots.extend(range(base + off, base + off + take))
+                pos += take
         meta = cls(
             block_size=block_size,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -95,15 +133,24 @@ class AttentionMetadata:
             num_prefills=n - num_decodes,
         )
         if num_decodes:
-            max_blocks = max(-(-s // block_size) for s in seq_lens[:num_decodes])
-            tables = [
-                block_tables[i][:max_blocks] + [0] * (max_blocks - len(block_tables[i]))
-                for i in range(num_decodes)
-            ]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=device)
-            span = torch.arange(max_blocks * block_size, device=device)
-            meta.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+            dec_lens = seq_lens[:num_decodes]
+            max_len = max(dec_lens)
+            max_blocks = -(-max_len // block_size)
+            flat: list[int] = []
+            for i in range(num_decodes):
+                table = block_tables[i]
+                if len(table) >= max_blocks:
+                    flat.extend(table[:max_blocks])
+                else:
+                    flat.extend(table)
+                    flat.extend([0] * (max_blocks - len(table)))
+            meta.decode_block_ids = torch.tensor(flat, dtype=torch.long, device=device)
+            meta.decode_max_blocks = max_blocks
+            meta.decode_kv_len = max_len
+            if min(dec_lens) != max_len:
+                lens = torch.tensor(dec_lens, dtype=torch.long, device=device)
+                span = torch.arange(max_len, device=device)
+                meta.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
         for i in range(num_decodes, n):
             c, q = num_computed[i], query_lens[i]
             nblocks = -(-(c + q) // block_size)

@@ -1,9 +1,13 @@
 """Paged attention with plain torch ops (CPU, and CUDA tensors alike).
 
-Per layer and step: write the new tokens' K/V into the paged cache at ``slot_mapping``, then
-- decodes (one query each) are batched: gather every request's blocks through its padded
-  block table and run one SDPA call with a padding mask; the grouped query heads of one KV
-  head ride in SDPA's query-length dimension, so GQA needs no K/V repetition;
+Per layer and step:
+- write: this step's K/V go into the cache with one ``index_copy_`` into a row view of the
+  layer (one row = one token's ``[H_kv, D]``), at row indices computed once per step;
+- decodes (one query each) are batched: every request's blocks are gathered with
+  ``index_select`` on the block dimension (one contiguous ``block_size * H_kv * D`` chunk per
+  block, memcpy speed) into a reused workspace, then one SDPA call; the grouped query heads of
+  one KV head ride in SDPA's query-length dimension, so GQA needs no K/V repetition, and the
+  padding mask exists only when the decodes' lengths differ;
 - prefills run one SDPA call each: new queries at positions ``[c, c + n)`` attend causally to
   context ``[0, c + n)`` (gathered from the cache when ``c > 0``, else taken from this step's
   K/V directly).
@@ -18,9 +22,22 @@ from kvserve.engine.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
-    """Stateless; one instance serves every layer."""
+    """One instance serves every layer of a model; it owns only a scratch buffer for the
+    gathered K/V (reused across layers and steps, so no per-layer allocation)."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def _scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+            ws = self._workspace = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return ws[:numel]
+
+    def release_workspace(self) -> None:
+        self._workspace = None
 
     @staticmethod
     def write_kv(
@@ -28,11 +45,38 @@ class TorchAttentionBackend:
     ) -> None:
         """Store ``k``/``v`` ``[T, H_kv, D]`` of this step into ``kv_layer``
         ``[num_blocks, 2, block_size, H_kv, D]`` at ``meta.slot_mapping``."""
-        slots = meta.slot_mapping
-        blocks = torch.div(slots, meta.block_size, rounding_mode="floor")
-        offsets = slots - blocks * meta.block_size
-        kv_layer[blocks, 0, offsets] = k
-        kv_layer[blocks, 1, offsets] = v
+        num_blocks, _, block_size, h_kv, d = kv_layer.shape
+        row = h_kv * d
+        s_blk, s_kv, s_slot = kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2)
+        if s_slot != row or s_blk % row or s_kv % row or not kv_layer[0, 0, 0].is_contiguous():
+            # Unusual view: element-wise indexed store.
+            slots = meta.slot_mapping
+            blocks = torch.div(slots, meta.block_size, rounding_mode="floor")
+            offsets = slots - blocks * meta.block_size
+            kv_layer[blocks, 0, offsets] = k
+            kv_layer[blocks, 1, offsets] = v
+            return
+        rows = meta.write_rows(s_blk // row, s_kv // row)
+        num_rows = (num_blocks - 1) * (s_blk // row) + s_kv // row + block_size
+        view = torch.as_strided(kv_layer, (num_rows, h_kv, d), (row, d, 1))
+        t = k.shape[0]
+        view.index_copy_(0, rows[:t], k)
+        view.index_copy_(0, rows[t:], v)
+
+    def gather(
+        self, kv_layer: torch.Tensor, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_ids`` as ``[len(block_ids) * block_size, H_kv, D]`` each (views
+        of the workspace, valid until the next gather)."""
+        _, _, block_size, h_kv, d = kv_layer.shape
+        n = block_ids.numel()
+        numel = n * block_size * h_kv * d
+        ws = self._scratch(2 * numel, kv_layer)
+        kc = ws[:numel].view(n, block_size, h_kv, d)
+        vc = ws[numel:].view(n, block_size, h_kv, d)
+        torch.index_select(kv_layer[:, 0], 0, block_ids, out=kc)
+        torch.index_select(kv_layer[:, 1], 0, block_ids, out=vc)
+        return kc.view(n * block_size, h_kv, d), vc.view(n * block_size, h_kv, d)
 
     def forward(
         self,
@@ -50,27 +94,20 @@ class TorchAttentionBackend:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == num_tokens:  # decode-only step: no output scatter
+            return self._decode(q, kv_layer, meta, scale, group)
+        out = torch.empty_like(q)
         if nd:
-            tables = meta.decode_block_tables  # [B, MB]
-            b, mb = tables.shape
-            # [B, MB, BS, H_kv, D] -> [B, H_kv, S, D]
-            kc = kv_layer[:, 0][tables].view(b, mb * meta.block_size, num_kv_heads, head_dim)
-            vc = kv_layer[:, 1][tables].view(b, mb * meta.block_size, num_kv_heads, head_dim)
-            qd = q[:nd].view(b, num_kv_heads, group, head_dim)
-            o = F.scaled_dot_product_attention(
-                qd, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
-            )
-            out[:nd] = o.reshape(b, num_heads, head_dim)
+            out[:nd] = self._decode(q[:nd], kv_layer, meta, scale, group)
         for p in meta.prefills:
             s, n = p.query_start, p.query_len
             qp = q[s : s + n]
             if p.num_computed == 0:
                 kp, vp = k[s : s + n], v[s : s + n]
             else:
-                kp = kv_layer[:, 0][p.block_table].flatten(0, 1)[: p.seq_len]
-                vp = kv_layer[:, 1][p.block_table].flatten(0, 1)[: p.seq_len]
+                kp, vp = self.gather(kv_layer, p.block_table)
+                kp, vp = kp[: p.seq_len], vp[: p.seq_len]
             o = F.scaled_dot_product_attention(
                 qp.transpose(0, 1),
                 kp.transpose(0, 1),
@@ -82,3 +119,27 @@ class TorchAttentionBackend:
             )
             out[s : s + n] = o.transpose(0, 1)
         return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        group: int,
+    ) -> torch.Tensor:
+        b, num_heads, head_dim = q.shape
+        num_kv_heads = num_heads // group
+        kc, vc = self.gather(kv_layer, meta.decode_block_ids)
+        s = meta.decode_kv_len
+        # [B * MB * BS, H_kv, D] -> [B, H_kv, S, D] (strided view, no copy).
+        kc = kc.view(b, -1, num_kv_heads, head_dim)[:, :s].transpose(1, 2)
+        vc = vc.view(b, -1, num_kv_heads, head_dim)[:, :s].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.view(b, num_kv_heads, group, head_dim),
+            kc,
+            vc,
+            attn_mask=meta.decode_mask,
+            scale=scale,
+        )
+        return o.reshape(b, num_heads, head_dim)
