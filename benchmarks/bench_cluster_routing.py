@@ -156,14 +156,34 @@ class Procs:
 def start_sims(procs: Procs, args, num_blocks: int, offload_gib: float, oracle: bool) -> dict:
     eps_file = procs.log_dir / "endpoints.yaml"
     eps_file.unlink(missing_ok=True)
-    argv = [PY, "-m", "kvserve.cli", "sim", "--num-instances", str(args.num_instances),
-            "--base-port", "0", "--kv-events-base-port", "0", "--preset", args.preset,
-            "--time-scale", str(args.time_scale), "--num-kv-blocks", str(num_blocks),
-            "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--model", args.model_dir, "--write-endpoints", str(eps_file),
-            # Replay sockets poll every 5 ms per instance: CPU this 2-core host lacks.
-            "--no-kv-events-replay"]  # fmt: skip
+    argv = [
+        PY,
+        "-m",
+        "kvserve.cli",
+        "sim",
+        "--num-instances",
+        str(args.num_instances),
+        "--base-port",
+        "0",
+        "--kv-events-base-port",
+        "0",
+        "--preset",
+        args.preset,
+        "--time-scale",
+        str(args.time_scale),
+        "--num-kv-blocks",
+        str(num_blocks),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--model",
+        args.model_dir,
+        "--write-endpoints",
+        str(eps_file),
+        # Replay sockets poll every 5 ms per instance: CPU this 2-core host lacks.
+        "--no-kv-events-replay",
+    ]
     if offload_gib > 0:
         argv += ["--kv-offload-size", str(offload_gib)]
     if oracle:
@@ -215,6 +235,8 @@ def scrape_instances(endpoints: list[dict]) -> dict:
         "vllm:prefix_cache_hits_total",
         "vllm:external_prefix_cache_hits_total",
         "vllm:num_preemptions_total",
+        "vllm:time_to_first_token_seconds_sum",
+        "vllm:time_to_first_token_seconds_count",
     )
     total = dict.fromkeys(names, 0.0)
     busy_wall = busy_modelled = 0.0
@@ -231,6 +253,9 @@ def scrape_instances(endpoints: list[dict]) -> dict:
             busy_modelled += sim["busy_modelled_s"]
     # Wall time of busy engine steps over their modelled time: 1.0 = the host kept the pace.
     total["sim_pace"] = busy_wall / busy_modelled if busy_modelled else float("nan")
+    n = total["vllm:time_to_first_token_seconds_count"]
+    # Mean TTFT as the engines saw it (wall seconds, arrival in the engine to first token).
+    total["engine_ttft_mean_wall_s"] = total["vllm:time_to_first_token_seconds_sum"] / n if n else 0
     return total
 
 
@@ -446,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{s.ttft.p50 if s.ttft else float('nan'):.3f}s p90 "
                 f"{s.ttft.p90 if s.ttft else float('nan'):.3f}s  hit "
                 f"{(s.cache_hit_ratio or 0):.1%}  failed {s.failed}  "
-                f"pace {run.config['instance_counters']['sim_pace']:.2f}  "
+                f"pace {run.config['instance_counters']['sim_pace']:.2f}  engine TTFT mean "
+                f"{run.config['instance_counters']['engine_ttft_mean_wall_s'] / args.time_scale:.3f}s  "
                 f"({time.monotonic() - t0:.0f}s wall)",
                 flush=True,
             )

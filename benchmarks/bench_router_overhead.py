@@ -5,8 +5,9 @@ Goals (issue 4): added p50 <= 1 ms and p99 <= 5 ms at 200 req/s.
 Four fast fake OpenAI backends (aiohttp, one process) answer a completion at once. The real
 router (`kvserve route`, its own process, default scheduler: prefix scorers, load, queue,
 KV utilization) sits in front of them. This process sends open-loop Poisson traffic of
-`/v1/completions` requests (1,024-token prompts given as token ids, 8 shared 768-token
-system prompts, so the router hashes 63 blocks and its routing history has hits) and, in the
+`/v1/completions` requests (1,024-token prompts given as token ids: one of 8 shared 768-token
+system prompts + a 256-token tail unique to the request, so the router hashes 63 blocks,
+its routing history has hits and its prompt-chunk memo hits the system prompt only) and, in the
 same run, the same traffic straight to the backends. Phases alternate direct / routed
 (``--blocks`` blocks of ``--block-s`` seconds each per rate) so both see the same machine;
 the overhead is routed minus direct, percentile by percentile. The router's CPU time per
@@ -96,14 +97,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def proc_cpu_s(pid: int) -> float:
+def proc_cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process, as getrusage would give them."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tck = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tck, int(fields[12]) / tck
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    srng = random.Random(0)  # the same 8 system prompts in every phase
+    systems = [[srng.randrange(32000) for _ in range(768)] for _ in range(8)]
     rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(768)] for _ in range(8)]
     return [rng.choice(systems) + [rng.randrange(32000) for _ in range(256)] for _ in range(n)]
 
 
@@ -112,7 +116,8 @@ async def run_phase(
 ) -> tuple[list[float], int]:
     """Open-loop Poisson arrivals for ``seconds``; returns latencies (ms) and errors."""
     rng = random.Random(seed)
-    prompts = make_prompts(256, seed)
+    # Every request its own prompt (a shared system prompt + a unique tail), built up front.
+    prompts = make_prompts(int(rate * seconds * 1.3) + 64, seed)
     bodies = [json.dumps({"model": MODEL, "prompt": p, "max_tokens": 1}) for p in prompts]
     lat: list[float] = []
     errors = 0
@@ -176,7 +181,7 @@ async def measure(args: argparse.Namespace, backends: list[str], router: str, pi
             direct: list[float] = []
             routed: list[float] = []
             errors = {"direct": 0, "routed": 0}
-            cpu = 0.0
+            cpu_user = cpu_sys = 0.0
             n_routed = 0
             rs0 = await routing_seconds(s, router)
             for k in range(args.blocks):
@@ -189,7 +194,9 @@ async def measure(args: argparse.Namespace, backends: list[str], router: str, pi
                     c0 = proc_cpu_s(pid)
                     lat, err = await run_phase(s, urls, rate, args.block_s, seed=1000 * k)
                     if kind == "routed":
-                        cpu += proc_cpu_s(pid) - c0
+                        c1 = proc_cpu_s(pid)
+                        cpu_user += c1[0] - c0[0]
+                        cpu_sys += c1[1] - c0[1]
                         n_routed += len(lat) + err
                     (direct if kind == "direct" else routed).extend(lat)
                     errors[kind] += err
@@ -205,7 +212,9 @@ async def measure(args: argparse.Namespace, backends: list[str], router: str, pi
                 "routed_p99_ms": pct(routed, 0.99),
                 "overhead_p50_ms": pct(routed, 0.5) - pct(direct, 0.5),
                 "overhead_p99_ms": pct(routed, 0.99) - pct(direct, 0.99),
-                "router_cpu_ms_per_request": 1e3 * cpu / max(n_routed, 1),
+                "router_cpu_ms_per_request": 1e3 * (cpu_user + cpu_sys) / max(n_routed, 1),
+                "router_user_cpu_ms_per_request": 1e3 * cpu_user / max(n_routed, 1),
+                "router_sys_cpu_ms_per_request": 1e3 * cpu_sys / max(n_routed, 1),
                 "router_routing_ms_mean": 1e3 * (rs1[0] - rs0[0]) / max(rs1[1] - rs0[1], 1),
                 "loadavg_1m": os.getloadavg()[0],
             }

@@ -41,7 +41,7 @@ def _complete(client: httpx.Client, url: str, prompt: list[int]) -> tuple[str, i
 
 def test_sessions_follow_their_prefix_then_survive_a_dead_engine(cluster):
     rng = random.Random(0)
-    sessions = [[rng.randrange(10, 2000) for _ in range(96)] for _ in range(6)]
+    sessions = [[rng.randrange(10, 2000) for _ in range(96)] for _ in range(10)]
     with httpx.Client(timeout=60, trust_env=False) as client:
         first = {i: _complete(client, cluster.router_url, p)[0] for i, p in enumerate(sessions)}
         assert len(set(first.values())) == 2, "cold sessions should spread over both engines"

@@ -13,12 +13,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fake_openai_backend import FakeBackend
 
 from kvserve.cluster.config import router_config_from_dict
 from kvserve.cluster.gateway import ENDPOINT_HEADER, Router
 from kvserve.kv.event_publisher import ZmqEventPublisher
 from kvserve.kv.events import AllBlocksCleared, BlockStored
+
+from .fake_openai_backend import FakeBackend
 
 BS = 16
 PROMPT = list(range(100, 100 + 6 * BS + 3))  # 6 cacheable blocks
@@ -346,5 +347,42 @@ def test_token_id_prompts_long_and_batched(stream: bool) -> None:
             assert b.requests[0]["prompt"] == long
         finally:
             await stop_all(router, b)
+
+    arun(main)
+
+
+def test_slow_health_checks_do_not_take_out_an_endpoint_that_answers_requests() -> None:
+    """An overloaded router sees health checks time out; requests answered meanwhile prove the
+    endpoint is up, so it stays in. Without answered requests the timeouts take it out."""
+
+    async def main() -> None:
+        a = FakeBackend("a")
+        release = asyncio.Event()
+
+        async def slow_health(request: Any) -> Any:
+            await release.wait()  # never answers in time while the gate is closed
+            return await FakeBackend._health(a, request)
+
+        a._health = slow_health  # type: ignore[method-assign]
+        await a.start()
+        release.set()
+        router = await start_router([a.url], health={"interval_s": 3600, "timeout_s": 0.2})
+        try:
+            ep = router.pool.endpoints[a.url]
+            assert ep.healthy
+            release.clear()
+            async with aiohttp.ClientSession() as s:
+                for _ in range(3):  # each check times out, but requests were answered meanwhile
+                    task = asyncio.create_task(router.pool.check(ep))
+                    await asyncio.sleep(0.05)
+                    status, _, _ = await post(s, router, {"model": "m", "prompt": "x"})
+                    assert status == 200
+                    assert await task and ep.healthy
+                for _ in range(2):  # unhealthy_after = 2 timeouts with nothing answered
+                    await router.pool.check(ep)
+                assert not ep.healthy
+        finally:
+            release.set()
+            await stop_all(router, a)
 
     arun(main)

@@ -98,3 +98,61 @@ def test_bad_metadata_rejected():
         AttentionMetadata.build(
             block_size=4, query_lens=[3, 1], num_computed=[0, 0], block_tables=[[1], [2]]
         )
+
+
+def _fill(kv_cache, layer, table, bs, k, v):
+    for p in range(k.shape[0]):
+        kv_cache[table[p // bs], layer, 0, p % bs] = k[p]
+        kv_cache[table[p // bs], layer, 1, p % bs] = v[p]
+
+
+@pytest.mark.parametrize("lens", [[9, 9, 9], [16, 16], [5, 12, 3]])
+def test_decode_batches_reuse_workspace(lens):
+    """Equal lengths (no mask), full last blocks, ragged lengths; one backend reused for
+    batches of different shapes (its gather workspace is recycled) and for a mixed step whose
+    prefill gathers after the decodes did."""
+    torch.manual_seed(len(lens))
+    bs, hq, hkv, d, layers = 4, 6, 2, 8, 3
+    kv_cache = torch.randn(64, layers, 2, bs, hkv, d)
+    backend = TorchAttentionBackend()
+    free = list(range(63, 0, -1))
+    for layer in (2, 0):
+        specs = [(n - 1, 1) for n in lens] + [(6, 5)]  # decodes, then a chunk with context
+        tables, fk, fv = [], [], []
+        for c, n in specs:
+            table = [free.pop() for _ in range(-(-(c + n) // bs))]
+            k, v = torch.randn(c + n, hkv, d), torch.randn(c + n, hkv, d)
+            _fill(kv_cache, layer, table, bs, k[:c], v[:c])
+            tables.append(table)
+            fk.append(k)
+            fv.append(v)
+        for batch in (specs[:-1], specs):
+            meta = AttentionMetadata.build(
+                block_size=bs,
+                query_lens=[n for _, n in batch],
+                num_computed=[c for c, _ in batch],
+                block_tables=tables[: len(batch)],
+            )
+            assert (meta.decode_mask is None) == (len(set(lens)) == 1)
+            q = torch.randn(meta.num_tokens, hq, d)
+            k_new = torch.cat([k[c:] for k, (c, _) in zip(fk, batch, strict=False)])
+            v_new = torch.cat([v[c:] for v, (c, _) in zip(fv, batch, strict=False)])
+            out = backend.forward(q, k_new, v_new, kv_cache[:, layer], meta, d**-0.5)
+            for i in range(len(batch)):
+                a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+                ref = dense_reference(q[a:b], fk[i], fv[i], d**-0.5)
+                torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_into_unusual_view():
+    """A layer view whose slots are not rows of [H_kv, D] takes the element-wise path."""
+    bs, hkv, d = 4, 2, 8
+    base = torch.zeros(6, 2, bs, d, hkv)  # heads last: [H_kv, D] is not contiguous
+    kv_layer = base.transpose(-1, -2)
+    meta = AttentionMetadata.build(
+        block_size=bs, query_lens=[3], num_computed=[0], block_tables=[[3]]
+    )
+    k, v = torch.randn(3, hkv, d), torch.randn(3, hkv, d)
+    TorchAttentionBackend.write_kv(k, v, kv_layer, meta)
+    assert torch.equal(kv_layer[3, 0, :3], k) and torch.equal(kv_layer[3, 1, :3], v)
+    assert kv_layer[:3].abs().sum() == 0 and kv_layer[3, :, 3].abs().sum() == 0

@@ -108,3 +108,19 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     assert Sampler()(logits, rows(p, num_output_tokens=2, eos_token_id=1))[0] == [1]
     p = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
     assert Sampler()(logits, rows(p, num_output_tokens=0, eos_token_id=1))[0] == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_greedy_and_seeded_rows(dtype):
+    """Greedy rows are argmax and seeded rows draw as they would alone, whatever the mix and
+    the logits dtype."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 300).to(dtype)
+    greedy = SamplingParams(temperature=0.0)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
+    mixed, _ = Sampler()(logits, rows(greedy, seeded, greedy, seeded))
+    assert [mixed[0], mixed[2]] == logits[[0, 2]].float().argmax(-1).tolist()
+    alone = [Sampler()(logits[i : i + 1], rows(seeded, ids=[f"r{i}"]))[0][0] for i in (1, 3)]
+    assert [mixed[1], mixed[3]] == alone
+    all_seeded, _ = Sampler()(logits, rows(*[seeded] * 4))
+    assert [all_seeded[1], all_seeded[3]] == alone

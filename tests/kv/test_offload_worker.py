@@ -66,6 +66,26 @@ def test_copy_blocks_matches_reference(dtype) -> None:
     assert torch.equal(dst, ref)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_copy_blocks_random_patterns(seed: int) -> None:
+    """Mixes of consecutive runs, gathers, scatters and fully scattered pairs."""
+    rng = torch.Generator().manual_seed(seed)
+    src = kv_cache(seed)
+    dst = kv_cache(seed + 100)
+    ref = dst.clone()
+    n = int(torch.randint(1, NUM_BLOCKS, (1,), generator=rng))
+    dst_ids = torch.randperm(NUM_BLOCKS, generator=rng)[:n].tolist()
+    if seed % 2:
+        dst_ids.sort()  # destination runs
+    src_ids = torch.randperm(NUM_BLOCKS, generator=rng)[:n].tolist()
+    if seed % 4 >= 2:
+        src_ids.sort()  # source runs
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        ref[d] = src[s]
+    copy_blocks(src, dst, src_ids, dst_ids)
+    assert torch.equal(dst, ref)
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_store_zero_load_round_trip(k: int) -> None:
     kv = kv_cache(2)

@@ -87,4 +87,6 @@ def test_step_shape_separates_prefill_chunks_from_decodes():
     shape = step_shape(so)
     assert shape.decode_seqs == 1 and shape.decode_ctx == 42
     assert shape.prefill_tokens == 51
-    assert shape.prefill_attn == pytest.approx(prefill_chunk_attn(32, 50) + prefill_chunk_attn(63, 1))
+    assert shape.prefill_attn == pytest.approx(
+        prefill_chunk_attn(32, 50) + prefill_chunk_attn(63, 1)
+    )

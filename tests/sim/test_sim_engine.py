@@ -68,8 +68,10 @@ def _trace(engine: LLMEngine, script) -> list:
                 s.prefix_cache_queries,
                 s.prefix_cache_hits,
                 s.num_preemptions,
-                sorted((o.request_id, o.num_cached_tokens, len(o.outputs[0].token_ids), o.finished)
-                       for o in outs),  # fmt: skip
+                sorted(
+                    (o.request_id, o.num_cached_tokens, len(o.outputs[0].token_ids), o.finished)
+                    for o in outs
+                ),
                 events,
             )
         )

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from kvserve.cluster.config import (
     ConfigError,
@@ -85,6 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-header", help="header carrying the session id")
     parser.add_argument("--max-attempts", type=int, help="endpoints tried per request")
     parser.add_argument("--log-level", help="debug | info | warning | error")
+    parser.add_argument(
+        "--event-loop", help="auto (uvloop when installed) | uvloop | asyncio (default auto)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -99,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         "session_header",
         "max_attempts",
         "log_level",
+        "event_loop",
     ):
         value = getattr(args, attr, None)
         if value is not None:
@@ -109,6 +114,19 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.picker:
         cfg.scheduler.picker = PickerSpec(args.picker)
     return cfg.validate()
+
+
+def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop factory for ``event_loop`` (``None``: asyncio's default loop)."""
+    if kind == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if kind == "uvloop":
+            raise ConfigError("event_loop uvloop: the uvloop package is not installed") from None
+        return None
+    return uvloop.new_event_loop
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +143,13 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        asyncio.run(serve_forever(router))
+        loop_factory = event_loop_factory(cfg.event_loop)
+    except ConfigError as e:
+        print(f"kvserve route: {e}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve_forever(router))
     except KeyboardInterrupt:
         pass
     except OSError as e:  # e.g. the port is taken

@@ -127,6 +127,8 @@ class RouterConfig:
     session_ttl_s: float = 3600.0
     inline_tokenize_chars: int = 4096  # longer prompts are tokenized on a worker thread
     log_level: str = "warning"
+    # auto: uvloop when it is installed (it cuts the router's CPU per request), else asyncio
+    event_loop: str = "auto"  # auto | uvloop | asyncio
     health: HealthConfig = field(default_factory=HealthConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -134,6 +136,8 @@ class RouterConfig:
     def validate(self) -> RouterConfig:
         if self.block_size <= 0:
             raise ConfigError("block_size must be positive")
+        if self.event_loop not in ("auto", "uvloop", "asyncio"):
+            raise ConfigError("event_loop must be auto, uvloop or asyncio")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be >= 1")
         if not self.endpoints and not self.endpoints_file:

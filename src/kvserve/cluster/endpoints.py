@@ -2,9 +2,11 @@
 
 Owns endpoint state and its upkeep: the list (static, or a YAML/JSON file re-read when it
 changes), active health checks (GET /health; out after ``unhealthy_after`` failures or at once
-when the gateway cannot connect, back after one good check), model discovery
-(GET /v1/models) and load metrics scraped from GET /metrics in Prometheus text format
-(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``).
+when the gateway cannot connect, back after one good check; a check that times out while the
+endpoint answered proxied requests does not count: the router was slow, not the endpoint),
+model discovery (GET /v1/models) and load metrics scraped from GET /metrics in Prometheus
+text format (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``).
 Listeners hear about endpoints added and removed (the event subscriber, the index).
 """
 
@@ -51,6 +53,7 @@ class Endpoint:
     kv_cache_usage_perc: float = 0.0
     metrics_at: float = 0.0  # time.monotonic() of the last successful scrape
     in_flight: int = 0  # requests this router has sent and not yet finished
+    answered_at: float = 0.0  # time.monotonic() of the last proxied response it answered
 
     @property
     def name(self) -> str:
@@ -242,6 +245,7 @@ class EndpointPool:
         if ep.name in self._checking or self._session is None:
             return ep.healthy
         self._checking.add(ep.name)
+        started = time.monotonic()
         try:
             async with self._session.get(ep.url + "/health", timeout=self._timeout()) as r:
                 ok = r.status == 200
@@ -249,7 +253,13 @@ class EndpointPool:
             if ok and (not ep.model_cards or not ep.models):
                 await self._discover(ep)
             error = None if ok else f"/health returned {r.status}"
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        except TimeoutError as e:
+            ok, error = False, f"{type(e).__name__}: {e}"
+            if ep.answered_at >= started:
+                # It answered real requests meanwhile: the check was slow because this
+                # process is overloaded (its event loop lags), not because the endpoint is.
+                return ep.healthy
+        except (aiohttp.ClientError, OSError) as e:
             ok, error = False, f"{type(e).__name__}: {e}"
         finally:
             self._checking.discard(ep.name)

@@ -21,6 +21,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from kvserve.cluster.config import RouterConfig
 from kvserve.cluster.endpoints import Endpoint, EndpointPool
@@ -105,6 +106,7 @@ class Router:
         self._upstream_timeout = aiohttp.ClientTimeout(
             total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
         )
+        self._urls: dict[tuple[str, str], URL] = {}
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -252,20 +254,20 @@ class Router:
         try:
             body = _json_decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError):
-            self.metrics.rejected.labels("400").inc()
+            self.metrics.rejected_of(400).inc()
             return _error(400, "request body is not valid JSON")
         if not isinstance(body, dict):
-            self.metrics.rejected.labels("400").inc()
+            self.metrics.rejected_of(400).inc()
             return _error(400, "request body must be a JSON object")
         session_id = request.headers.get(self.config.session_header)
         try:
             req = await self._routing_request(body, chat, session_id)
             decision = self.scheduler.schedule(req, list(self.pool.endpoints.values()))
         except BadRequestError as e:
-            self.metrics.rejected.labels("400").inc()
+            self.metrics.rejected_of(400).inc()
             return _error(400, str(e))
         except NoEndpointError as e:
-            self.metrics.rejected.labels(str(e.status)).inc()
+            self.metrics.rejected_of(e.status).inc()
             kind = "not_found_error" if e.status == 404 else "service_unavailable"
             return _error(e.status, e.message, kind)
         self.metrics.routing_time.observe(time.perf_counter() - t0)
@@ -289,23 +291,34 @@ class Router:
                     )
                 except UpstreamFailed as e:
                     last_error = f"{ep.name}: {e}"
-                    self.metrics.failovers.labels(ep.name, e.kind).inc()
+                    self.metrics.failovers_of(ep.name, e.kind).inc()
                     if e.endpoint_down:
                         self.pool.mark_failed(ep, str(e))
                     logger.info("attempt %d on %s failed (%s); failing over", i + 1, ep.name, e)
                     continue
-                self.metrics.first_byte.labels(ep.name).observe(time.perf_counter() - t_send)
-                self.metrics.decisions.labels(decision.reason if i == 0 else "failover").inc()
+                ep.answered_at = time.monotonic()
+                metrics = self.metrics
+                metrics.first_byte_of(ep.name).observe(time.perf_counter() - t_send)
+                metrics.decisions_of(decision.reason if i == 0 else "failover").inc()
                 self.scheduler.observe(req, ep)
                 try:
                     return await self._relay(request, upstream, ep)
                 finally:
-                    self.metrics.latency.labels(ep.name).observe(time.perf_counter() - t_send)
-                    self.metrics.requests.labels(ep.name, str(upstream.status)).inc()
+                    metrics.latency_of(ep.name).observe(time.perf_counter() - t_send)
+                    metrics.requests_of(ep.name, upstream.status).inc()
             finally:
                 ep.in_flight -= 1
-        self.metrics.rejected.labels("502").inc()
+        self.metrics.rejected_of(502).inc()
         return _error(502, f"all endpoints failed ({last_error})", "bad_gateway")
+
+    def _upstream_url(self, base: str, path: str) -> URL:
+        """The parsed URL of ``path`` on an endpoint (parsing a URL per request is costly)."""
+        url = self._urls.get((base, path))
+        if url is None:
+            if len(self._urls) > 4096:  # endpoints come and go; never grow without bound
+                self._urls.clear()
+            url = self._urls[(base, path)] = URL(base + path)
+        return url
 
     async def _send(
         self, ep: Endpoint, path: str, raw: bytes, headers: dict[str, str], last: bool
@@ -313,7 +326,7 @@ class Router:
         assert self._session is not None
         try:
             upstream = await self._session.post(
-                ep.url + path,
+                self._upstream_url(ep.url, path),
                 data=raw,
                 headers=headers,
                 timeout=self._upstream_timeout,

@@ -1,14 +1,16 @@
 """The router's Prometheus metrics (served at GET /metrics of `kvserve route`).
 
 Owns metric names and the registry. Request-path metrics are counters and histograms
-updated by the gateway; state (endpoint health and load, index size, event streams) is read
-at scrape time by a collector, so nothing on the event path touches Prometheus objects.
+updated by the gateway through label children cached here (a ``labels()`` lookup formats and
+hashes its label values under a lock: too slow for every request); state (endpoint health
+and load, index size, event streams) is read at scrape time by a collector, so nothing on
+the event path touches Prometheus objects.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -96,6 +98,22 @@ class _StateCollector(Collector):
         yield from (lag, batches, block_events, gaps, missed)
 
 
+class LabelCache:
+    """``metric.labels(*values)`` memoized: the request path's way to reach a child."""
+
+    __slots__ = ("_metric", "_children")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple, Any] = {}
+
+    def __call__(self, *values: Any) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*map(str, values))
+        return child
+
+
 class RouterMetrics:
     def __init__(self, state: Callable[[], tuple[EndpointPool, KVIndex, EventSubscriber]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -145,3 +163,10 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_StateCollector(state))
+        # Cached children for the request path: requests_of(endpoint, status), ...
+        self.requests_of = LabelCache(self.requests)
+        self.latency_of = LabelCache(self.latency)
+        self.first_byte_of = LabelCache(self.first_byte)
+        self.decisions_of = LabelCache(self.decisions)
+        self.failovers_of = LabelCache(self.failovers)
+        self.rejected_of = LabelCache(self.rejected)

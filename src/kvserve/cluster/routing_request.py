@@ -1,7 +1,7 @@
 """What the scheduler knows about one request: model, prompt tokens (or text), session.
 
 Owns the memoized block keys of the prompt, per block size (endpoints usually share one, so
-a prompt is hashed once per request).
+a prompt is hashed once per request; chunks shared with recent prompts not even once).
 """
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvserve.cluster.prompt_keys import prompt_block_keys, text_block_keys
+from kvserve.cluster.prompt_keys import PromptKeyCache, text_block_keys
 from kvserve.engine.hashing import DEFAULT_PREFIX_HASH_SEED
+
+# The process's memo of hashed prompt chunks (shared prefixes are hashed once).
+PROMPT_KEYS = PromptKeyCache()
 
 
 @dataclass
@@ -31,7 +34,7 @@ class RoutingRequest:
             if self.token_ids is None:
                 keys = []
             else:
-                keys = prompt_block_keys(
+                keys = PROMPT_KEYS.block_keys(
                     self.token_ids, block_size, seed=self.seed, cache_salt=self.cache_salt
                 )
             self._keys[block_size] = keys

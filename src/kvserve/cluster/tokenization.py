@@ -55,15 +55,20 @@ class TokenizerRegistry:
         return self._loaded[path]
 
 
-def _is_token_list(x: Any) -> bool:
-    """A list of token ids (checked in C: a 32k-token prompt must not cost milliseconds)."""
+def _token_array(x: Any) -> array | None:
+    """A prompt given as token ids, as a uint32 array (the form the block hasher reads).
+
+    ``None`` when ``x`` is not a list of ints. Converted in C: a 32k-token prompt must not
+    cost milliseconds, and the array is then hashed without another conversion.
+    """
     if not isinstance(x, list) or not x or type(x[0]) is not int:
-        return False
+        return None
     try:
-        array("q", x)  # every item an int (bools count: the server rejects what it must)
-    except (TypeError, OverflowError):
-        return False
-    return True
+        return array("I", x)  # every item an int (bools count: the server rejects what it must)
+    except TypeError:
+        return None
+    except OverflowError:
+        raise BadRequestError("prompt token ids must be in [0, 2**32)") from None
 
 
 def _message_text(content: Any) -> str:
@@ -122,8 +127,9 @@ def routing_request(
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and type(prompt[0]) is not int:
         prompt = prompt[0]  # a batch of prompts: route by the first
-    if isinstance(prompt, list) and _is_token_list(prompt):
-        req.token_ids = prompt
+    ids = _token_array(prompt)
+    if ids is not None:
+        req.token_ids = ids
     elif isinstance(prompt, str):
         if tok is not None:
             try:

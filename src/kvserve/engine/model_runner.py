@@ -88,7 +88,11 @@ class ModelRunner:
                 sample_idx.append(end - 1)
         if not sampling:
             return output
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
+        if len(sample_idx) == hidden.shape[0]:  # e.g. a decode-only step: every row samples
+            logits = self.model.compute_logits(hidden)
+        else:
+            idx = torch.tensor(sample_idx, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
         rows = [
             SamplingRow(r.request_id, r.sampling_params, r.num_output_tokens, r.eos_token_id)
             for r in sampling

@@ -51,37 +51,19 @@ class Sampler:
         """``logits`` ``[N, V]`` (any device/dtype) -> one token id per row, and per row
         ``(sampled logprob, {token: logprob} of the top-k and the sampled token)`` when that
         row asked for logprobs."""
-        logits = logits.float()
-        n, vocab = logits.shape
+        n = logits.shape[0]
         device = logits.device
         raw = logits
         logits = self._apply_min_tokens(logits, rows)
-        greedy = [r.params.greedy for r in rows]
-        sampled = torch.empty(n, dtype=torch.long, device=device)
-        if any(greedy):
-            idx = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
-            sampled[idx] = logits[idx].argmax(dim=-1)
-        rand = [i for i, g in enumerate(greedy) if not g]
-        if rand:
-            idx = torch.tensor(rand, device=device)
-            sub = logits[idx]
-            temp = torch.tensor([rows[i].params.temperature for i in rand], device=device)
-            sub = sub / temp[:, None]
-            top_k = [rows[i].params.top_k for i in rand]
-            top_p = [rows[i].params.top_p for i in rand]
-            probs = apply_top_k_top_p(sub, top_k, top_p).softmax(dim=-1)
-            # Exponential race (argmax p / E, E ~ Exp(1)) == sampling from p; each row draws
-            # from its own generator on the CPU so results do not depend on the device.
-            noise = torch.empty(len(rand), vocab)
-            for j, i in enumerate(rand):
-                noise[j].exponential_(generator=self._generator(rows[i]))
-            sampled[idx] = (probs / noise.to(device)).argmax(dim=-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        # All greedy: one argmax, no copies (argmax is exact in any dtype).
+        sampled = self._sample_random(logits, rows, rand) if rand else logits.argmax(dim=-1)
         token_ids = sampled.tolist()
         logprobs: list[Logprobs | None] = [None] * n
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
             idx = torch.tensor(want, device=device)
-            lp = raw[idx].log_softmax(dim=-1)
+            lp = raw[idx].float().log_softmax(dim=-1)
             k = max(rows[i].params.logprobs for i in want)
             top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             chosen = lp.gather(1, sampled[idx][:, None])[:, 0].tolist()
@@ -92,6 +74,40 @@ class Sampler:
                 d[token_ids[i]] = chosen[j]
                 logprobs[i] = (chosen[j], d)
         return token_ids, logprobs
+
+    def _sample_random(
+        self, logits: torch.Tensor, rows: list[SamplingRow], rand: list[int]
+    ) -> torch.Tensor:
+        """Token ids for every row: argmax for greedy rows, a draw for rows ``rand``."""
+        n, vocab = logits.shape
+        device = logits.device
+        sampled = idx = None
+        if len(rand) == n:
+            sub = logits.float()
+        else:
+            sampled = logits.argmax(dim=-1)
+            idx = torch.tensor(rand, device=device)
+            sub = logits[idx].float()
+        temp = [rows[i].params.temperature for i in rand]
+        if any(t != 1.0 for t in temp):
+            sub = sub / torch.tensor(temp, device=device)[:, None]
+        top_k = [rows[i].params.top_k for i in rand]
+        top_p = [rows[i].params.top_p for i in rand]
+        probs = apply_top_k_top_p(sub, top_k, top_p).softmax(dim=-1)
+        # Exponential race (argmax p / E, E ~ Exp(1)) == sampling from p; each seeded row draws
+        # from its own generator on the CPU so results do not depend on the device or batch.
+        noise = torch.empty(len(rand), vocab)
+        unseeded = [j for j, i in enumerate(rand) if rows[i].params.seed is None]
+        if len(unseeded) == len(rand):
+            noise.exponential_(generator=self._default)
+        else:
+            for j, i in enumerate(rand):
+                noise[j].exponential_(generator=self._generator(rows[i]))
+        draws = (probs / noise.to(device)).argmax(dim=-1)
+        if idx is None:
+            return draws
+        sampled[idx] = draws
+        return sampled
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -28,19 +28,29 @@ from kvserve.sim.latency_model import PRESETS, LatencyModel, get_preset
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_FIELDS = {
-    "fixed", "prefill_per_token", "prefill_attn_per_ctx", "decode_per_seq", "decode_per_ctx",
-    "kv_bytes_per_token", "cpu_bandwidth", "transfer_latency", "max_model_len",
-    "default_kv_tokens",
-}  # fmt: skip
+_INT_FIELDS = ("kv_bytes_per_token", "max_model_len", "default_kv_tokens")
+_LATENCY_FIELDS = (
+    "fixed",
+    "prefill_per_token",
+    "prefill_attn_per_ctx",
+    "decode_per_seq",
+    "decode_per_ctx",
+    "cpu_bandwidth",
+    "transfer_latency",
+    *_INT_FIELDS,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, EngineConfig)
     add_dataclass_args(parser, ServerConfig)
     g = parser.add_argument_group("simulation")
-    g.add_argument("--preset", choices=sorted(PRESETS), default="h100-llama8b",
-                   help="latency model (see kvserve/sim/latency_model.py for sources)")  # fmt: skip
+    g.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="h100-llama8b",
+        help="latency model (see kvserve/sim/latency_model.py for sources)",
+    )
     g.add_argument(
         "--latency",
         action="append",
@@ -83,11 +93,10 @@ def latency_from_args(args: argparse.Namespace) -> LatencyModel:
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in _LATENCY_FIELDS:
-            raise ValueError(f"--latency {item!r}: expected FIELD=VALUE, FIELD one of "
-                             f"{sorted(_LATENCY_FIELDS)}")  # fmt: skip
+            known = ", ".join(_LATENCY_FIELDS)
+            raise ValueError(f"--latency {item!r}: expected FIELD=VALUE with FIELD in {known}")
         num = float(value)
-        changes[key] = int(num) if key in ("kv_bytes_per_token", "max_model_len",
-                                           "default_kv_tokens") else num  # fmt: skip
+        changes[key] = int(num) if key in _INT_FIELDS else num
     return model.replace(**changes) if changes else model
 
 
@@ -155,8 +164,11 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
             print(f"kvserve sim: {inst.name} {inst.url}{ev}", file=sys.stderr, flush=True)
         if oracle_url is not None:
             print(f"kvserve sim: oracle router {oracle_url}", file=sys.stderr, flush=True)
-        print(f"kvserve sim: {n} instance(s) of {cluster.instances[0].engine.model_name} ready",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"kvserve sim: {n} instance(s) of {cluster.instances[0].engine.model_name} ready",
+            file=sys.stderr,
+            flush=True,
+        )
         if ready is not None:
             ready.set()
         await stop.wait()

@@ -93,6 +93,7 @@ def special_token_ids(model_dir: str | Path) -> frozenset[int]:
 def build_sim_engine(config: SimEngineConfig):
     """``LLMEngine(config, runner=SimModelRunner(...))``; the pool defaults to the preset's."""
     from kvserve.engine.engine import LLMEngine
+    from kvserve.sim import offload  # noqa: F401 - registers the "sim-offload" connector
 
     latency = config.sim_latency
     assert isinstance(latency, LatencyModel)

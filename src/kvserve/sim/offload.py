@@ -137,8 +137,14 @@ class SimOffloadingConnector(OffloadingConnector):
                 f"chunk ({chunk_bytes} bytes of modelled KV); raise it"
             )
         # Shape of the modelled chunk: one "layer" of block_size tokens x block_bytes/token.
-        layout = ChunkLayout(1, self.block_size, 1, max(1, block_bytes // self.block_size),
-                             "uint8", self.blocks_per_chunk)  # fmt: skip
+        layout = ChunkLayout(
+            1,
+            self.block_size,
+            1,
+            max(1, block_bytes // self.block_size),
+            "uint8",
+            self.blocks_per_chunk,
+        )
         self.tier = SimTierBackend(layout, num_slots, chunk_bytes)
         self.manager = OffloadingManager(
             self.tier, self.policy_name, block_size=self.block_size, emit_events=self.emit_events

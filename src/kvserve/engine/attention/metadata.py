@@ -49,8 +49,10 @@ class AttentionMetadata:
     decode_kv_len: int = 0
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillInfo] = field(default_factory=list)
-    # Cache of ``write_rows`` per KV-view geometry (every layer shares one).
+    # Per-step caches shared by every layer: ``write_rows`` per KV-view geometry, additive
+    # masks per (mask id, dtype).
     _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -78,6 +80,19 @@ class AttentionMetadata:
             k_rows = blocks * block_stride + (self.slot_mapping - blocks * self.block_size)
             rows = self._rows[key] = torch.cat([k_rows, k_rows + kv_stride])
         return rows
+
+    def additive_mask(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """``mask`` (bool, True = attend; one of this metadata's masks) as 0 / -inf in
+        ``dtype``, converted once per step (SDPA's fused CPU kernel wants the query's dtype and
+        would convert a bool mask on every layer)."""
+        if mask is None:
+            return None
+        key = (id(mask), dtype)
+        out = self._masks.get(key)
+        if out is None:
+            out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            out = self._masks[key] = out.masked_fill_(~mask, float("-inf"))
+        return out
 
     @classmethod
     def build(

@@ -10,7 +10,8 @@ Per layer and step:
   padding mask exists only when the decodes' lengths differ;
 - prefills run one SDPA call each: new queries at positions ``[c, c + n)`` attend causally to
   context ``[0, c + n)`` (gathered from the cache when ``c > 0``, else taken from this step's
-  K/V directly).
+  K/V directly). Inputs are 4-D with ``enable_gqa``: that is what keeps CPU SDPA on its fused
+  flash kernel (3-D inputs take the math path, several times slower).
 """
 
 from __future__ import annotations
@@ -108,16 +109,19 @@ class TorchAttentionBackend:
             else:
                 kp, vp = self.gather(kv_layer, p.block_table)
                 kp, vp = kp[: p.seq_len], vp[: p.seq_len]
+            # 4-D inputs: on CPU, 3-D ones (and GQA) fall back to the unfused math kernel.
+            mask = meta.additive_mask(p.causal_mask, q.dtype)
+            mask = None if mask is None else mask[None, None]
             o = F.scaled_dot_product_attention(
-                qp.transpose(0, 1),
-                kp.transpose(0, 1),
-                vp.transpose(0, 1),
-                attn_mask=p.causal_mask,
-                is_causal=p.causal_mask is None,
+                qp.transpose(0, 1)[None],
+                kp.transpose(0, 1)[None],
+                vp.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=group > 1,
             )
-            out[s : s + n] = o.transpose(0, 1)
+            out[s : s + n] = o[0].transpose(0, 1)
         return out
 
     def _decode(
@@ -139,7 +143,7 @@ class TorchAttentionBackend:
             q.view(b, num_kv_heads, group, head_dim),
             kc,
             vc,
-            attn_mask=meta.decode_mask,
+            attn_mask=meta.additive_mask(meta.decode_mask, q.dtype),
             scale=scale,
         )
         return o.reshape(b, num_heads, head_dim)

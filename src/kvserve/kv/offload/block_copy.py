@@ -1,10 +1,11 @@
 """Batched block copies between two block tensors (the primary pool and a host tier).
 
 Both tensors are ``[num_blocks, *block_shape]`` with one contiguous block per row. A list of
-(source block, destination block) pairs is turned into the fewest possible copies: maximal
-runs where both sides are consecutive become one slice ``copy_``; a destination run fed from
-scattered sources on the same device becomes one ``index_select(out=)``. No per-element Python
-loop and no ``index_copy_`` (measured several times slower than a plain copy for large rows).
+(source block, destination block) pairs becomes one slice ``copy_`` per maximal run where both
+sides are consecutive: every copy is a memcpy of whole blocks (64 KiB to MiBs each), so the
+per-call cost (a few microseconds) stays small against the copy itself. Measured on this
+project's CPU machine, a loop of block ``copy_`` was consistently faster than the indexing kernels
+(``index_put_``, ``index_select(out=)``, ``index_copy_``) for scattered 64-384 KiB blocks.
 """
 
 from __future__ import annotations
@@ -41,20 +42,6 @@ def copy_blocks(
     non_blocking: bool = False,
 ) -> int:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; returns the bytes copied."""
-    runs = block_runs(src_ids, dst_ids)
-    same_device = src.device == dst.device
-    i = 0
-    while i < len(runs):
-        s, d, n = runs[i]
-        # Single-block runs with consecutive destinations: gather them in one call.
-        j = i + 1
-        if same_device and n == 1:
-            while j < len(runs) and runs[j][2] == 1 and runs[j][1] == d + (j - i):
-                j += 1
-        if j - i > 1:
-            idx = torch.tensor([r[0] for r in runs[i:j]], dtype=torch.long, device=src.device)
-            torch.index_select(src, 0, idx, out=dst[d : d + (j - i)])
-        else:
-            dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
-        i = j
+    for s, d, n in block_runs(src_ids, dst_ids):
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
     return len(src_ids) * src[0].numel() * src.element_size()

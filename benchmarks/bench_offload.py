@@ -1,0 +1,309 @@
+"""KV offloading to host memory: overhead, throughput vs hit rate, load bandwidth, TTFT.
+
+Four measurements, each a ratio against a baseline measured in the same run:
+1. overhead: prefill-only throughput of unique prompts (0% offload hits) with offloading on
+   (every chunk is stored) / off. Goal >= 0.99.
+2. throughput vs offload hit rate 0..100% on unique prefill-only requests: a fraction of each
+   prompt was stored in the tier beforehand and the primary prefix cache is reset, so hits
+   come only from the tier (vLLM's published experiment). Plotted to PNG. Goal: >= 5x at 100%.
+3. load bandwidth at 100% hits (bytes loaded / time of the load jobs) / memcpy bandwidth of
+   this machine measured in the same run. Goal >= 0.8.
+4. TTFT of one long prompt served from the tier vs recomputed. Goal >= 10x at 4k tokens.
+
+Usage: python benchmarks/bench_offload.py [--preset tiny|small] [--quick]
+Results: benchmarks/results/offload_<preset>.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.presets import make_model
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem / (1 << 30), 1),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+    }
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Best-of-``reps`` bytes/s of one contiguous host-to-host tensor copy."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def prompts_of(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 1) -> float:
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return time.perf_counter() - t
+
+
+def make_llm(model: str, offload_gib: float, args, **kw) -> LLM:
+    return LLM(
+        model=model,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_offload_size=offload_gib,
+        kv_offload_block_size=args.chunk_tokens,
+        **kw,
+    )
+
+
+def bench_overhead(model: str, args, vocab: int) -> dict:
+    on = make_llm(model, args.offload_gib, args)
+    off = make_llm(model, 0.0, args)
+    rng = random.Random(1)
+    n, length = args.requests, args.prompt_len
+    timed_generate(on, prompts_of(rng, 4, length, vocab))  # warm up both
+    timed_generate(off, prompts_of(rng, 4, length, vocab))
+    t_on, t_off = [], []
+    for _ in range(args.reps):  # interleaved: both see the same machine noise
+        t_off.append(timed_generate(off, prompts_of(rng, n, length, vocab)))
+        t_on.append(timed_generate(on, prompts_of(rng, n, length, vocab)))
+    st = on.get_stats().connector
+    assert st.lookup_hit_tokens == 0 and st.store_bytes > 0
+    on.shutdown()
+    off.shutdown()
+    tokens = n * length
+    thr_on = tokens / statistics.median(t_on)
+    thr_off = tokens / statistics.median(t_off)
+    return {
+        "tokens_per_run": tokens,
+        "throughput_on_tok_s": thr_on,
+        "throughput_off_tok_s": thr_off,
+        "ratio_on_off": thr_on / thr_off,
+        "runs_on_s": t_on,
+        "runs_off_s": t_off,
+        "store_bytes": st.store_bytes,
+    }
+
+
+def bench_hit_rate(model: str, args, vocab: int) -> dict:
+    llm = make_llm(model, args.offload_gib, args)
+    rng = random.Random(2)
+    n, length = args.requests, args.prompt_len
+    timed_generate(llm, prompts_of(rng, 4, length, vocab))
+    points = []
+    best_bw = 0.0
+    for frac in args.hit_rates:
+        times, bws, hits = [], [], []
+        for _ in range(args.reps):
+            prompts = prompts_of(rng, n, length, vocab)
+            n_pre = int(length * frac)
+            if n_pre:
+                # Store the prefixes in the tier, then forget them in the primary pool.
+                timed_generate(llm, [p[:n_pre] for p in prompts])
+            llm.reset_prefix_cache()
+            before = llm.get_stats().connector
+            times.append(timed_generate(llm, prompts))
+            after = llm.get_stats().connector
+            lb = after.load_bytes - before.load_bytes
+            lt = after.load_time_s - before.load_time_s
+            bws.append(lb / lt if lt > 0 else 0.0)
+            hits.append((after.lookup_hit_tokens - before.lookup_hit_tokens) / (n * length))
+        thr = n * length / statistics.median(times)
+        bw = max(bws)
+        best_bw = max(best_bw, bw)
+        points.append(
+            {
+                "target_hit_rate": frac,
+                "measured_hit_rate": statistics.mean(hits),
+                "throughput_tok_s": thr,
+                "load_bandwidth_GB_s": bw / 1e9,
+                "runs_s": times,
+            }
+        )
+        print(f"  hit {frac:4.0%}: {thr:10.0f} tok/s  (tier hits {statistics.mean(hits):.0%})")
+    llm.shutdown()
+    base = points[0]["throughput_tok_s"]
+    for p in points:
+        p["speedup_vs_0"] = p["throughput_tok_s"] / base
+    return {"points": points, "best_load_bandwidth_GB_s": best_bw / 1e9}
+
+
+def bench_ttft(model: str, args, vocab: int) -> dict:
+    rng = random.Random(3)
+    llm = make_llm(model, args.offload_gib, args, enable_prefix_caching=True)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    out = {}
+    for length in args.ttft_lens:
+        cold, warm = [], []
+        for _ in range(args.reps):
+            p = prompts_of(rng, 1, length, vocab)[0]
+            (o,) = llm.generate([p], sp)  # recomputed (and stored in the tier)
+            cold.append(o.metrics.time_to_first_token)
+            llm.reset_prefix_cache()
+            (o,) = llm.generate([p], sp)  # from the tier
+            assert o.metrics.num_external_cached_tokens >= length - args.chunk_tokens - 1
+            warm.append(o.metrics.time_to_first_token)
+        c, w = statistics.median(cold), statistics.median(warm)
+        out[str(length)] = {"recompute_s": c, "from_tier_s": w, "speedup": c / w}
+        print(f"  TTFT {length} tokens: recompute {c * 1e3:.1f} ms, tier {w * 1e3:.1f} ms")
+    llm.shutdown()
+    return out
+
+
+def plot(points: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [100 * p["measured_hit_rate"] for p in points]
+    y = [p["speedup_vs_0"] for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, y, "o-")
+    ax.set_xlabel("offload tier hit rate (% of prompt tokens)")
+    ax.set_ylabel("prefill throughput / throughput at 0% hits")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--chunk-tokens", type=int, default=16)
+    ap.add_argument("--num-kv-blocks", type=int, default=1200)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--offload-gib", type=float, default=0.5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hit-rates", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 0.9, 1.0])
+    ap.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 2000])
+    ap.add_argument("--skip", nargs="*", default=[], help="overhead hit ttft")
+    ap.add_argument("--out", default=None, help="results basename (default offload_<preset>)")
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="kvserve-bench-offload-")
+    model = str(make_model(Path(tmp) / args.preset, preset=args.preset))
+    vocab = LLM(model=model, num_kv_blocks=8).get_tokenizer().vocab_size
+    res: dict = {"preset": args.preset, "machine": machine(), "args": vars(args)}
+    res["memcpy_GB_s"] = memcpy_bandwidth() / 1e9
+    print(f"memcpy: {res['memcpy_GB_s']:.2f} GB/s")
+    if "overhead" not in args.skip:
+        res["overhead"] = o = bench_overhead(model, args, vocab)
+        print(f"overhead: on/off = {o['ratio_on_off']:.3f}")
+    if "hit" not in args.skip:
+        res["hit_rate"] = h = bench_hit_rate(model, args, vocab)
+        res["load_bw_over_memcpy"] = h["best_load_bandwidth_GB_s"] / res["memcpy_GB_s"]
+        print(f"load bandwidth / memcpy = {res['load_bw_over_memcpy']:.2f}")
+    if "ttft" not in args.skip:
+        res["ttft"] = bench_ttft(model, args, vocab)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    base = RESULTS / (args.out or f"offload_{args.preset}")
+    base.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    if "hit_rate" in res:
+        plot(res["hit_rate"]["points"], base.with_suffix(".png"), f"KV offload, {args.preset}")
+    base.with_suffix(".md").write_text(report(res))
+    print(f"wrote {base}.{{json,md{',png' if 'hit_rate' in res else ''}}}")
+
+
+def report(res: dict) -> str:
+    m = res["machine"]
+    lines = [
+        f"# KV offloading to host memory — `{res['preset']}` preset",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, torch {m['torch']}"
+        + (f", {m['cuda']}" if m["cuda"] else ", CPU only (primary pool in RAM too)"),
+        f"Command: `python benchmarks/bench_offload.py --preset {res['preset']}`; "
+        f"args: `{json.dumps(res['args'])}`",
+        "",
+        "| measurement | result | goal |",
+        "| --- | --- | --- |",
+    ]
+    if "overhead" in res:
+        o = res["overhead"]
+        lines.append(
+            f"| 1. throughput offload on (0% hits) / off | {o['ratio_on_off']:.3f} "
+            f"({o['throughput_on_tok_s']:.0f} / {o['throughput_off_tok_s']:.0f} tok/s) | >= 0.99 |"
+        )
+    if "hit_rate" in res:
+        pts = res["hit_rate"]["points"]
+        last = pts[-1]
+        lines.append(
+            f"| 2. throughput at {last['measured_hit_rate']:.0%} tier hits / 0% | "
+            f"{last['speedup_vs_0']:.2f}x | >= 5x at 100% |"
+        )
+        lines.append(
+            f"| 3. load bandwidth / memcpy | {res['load_bw_over_memcpy']:.2f} "
+            f"({res['hit_rate']['best_load_bandwidth_GB_s']:.2f} / {res['memcpy_GB_s']:.2f} GB/s)"
+            " | >= 0.8 |"
+        )
+    for length, t in res.get("ttft", {}).items():
+        lines.append(
+            f"| 4. TTFT {length} tokens recompute / from tier | {t['speedup']:.1f}x "
+            f"({t['recompute_s'] * 1e3:.0f} / {t['from_tier_s'] * 1e3:.1f} ms) | >= 10x at 4k, small |"
+        )
+    if "hit_rate" in res:
+        lines += [
+            "",
+            "Throughput vs tier hit rate (unique prefill-only requests; primary prefix cache reset "
+            "before each measured batch, so every hit comes from the tier):",
+            "",
+            "| target hit | measured hit | tok/s | x of 0% | load GB/s |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for p in res["hit_rate"]["points"]:
+            lines.append(
+                f"| {p['target_hit_rate']:.0%} | {p['measured_hit_rate']:.0%} | "
+                f"{p['throughput_tok_s']:.0f} | {p['speedup_vs_0']:.2f} | "
+                f"{p['load_bandwidth_GB_s']:.2f} |"
+            )
+        lines += ["", f"![throughput vs hit rate](offload_{res['preset']}.png)"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

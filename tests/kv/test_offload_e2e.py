@@ -1,0 +1,192 @@
+"""End to end: the engine with a tiny primary pool and a host offload tier, on the tiny model.
+
+Oracle: greedy outputs must be identical whether a prefix came from the primary pool, from
+the offload tier, or was recomputed (an engine without prefix caching or offloading).
+Requests are driven through ``LLMEngine`` with a step bound, so a stuck request fails the
+test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.outputs import RequestOutput
+
+MAX_STEPS = 5000
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir) -> LLM:
+    """Everything recomputed: no prefix caching, no offloading, a large pool."""
+    llm = LLM(model=str(tiny_model_dir), num_kv_blocks=1024, enable_prefix_caching=False)
+    yield llm
+    llm.shutdown()
+
+
+def make_llm(model_dir, num_kv_blocks: int, **kw) -> LLM:
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(
+        model=str(model_dir),
+        num_kv_blocks=num_kv_blocks,
+        kv_offload_size=kw.pop("kv_offload_size", 0.01),
+        enable_prefix_caching=True,
+        enable_kv_cache_events=True,
+        debug=True,
+        **kw,
+    )
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, abort: set[int] = frozenset(),
+        abort_at_step: int = 1) -> list[RequestOutput | None]:  # fmt: skip
+    """Run prompts concurrently; aborts prompts with index in ``abort`` after some steps."""
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    ids = [eng.add_request(None, p, sp) for p in prompts]
+    done: dict[str, RequestOutput] = {}
+    for step in range(MAX_STEPS):
+        if step == abort_at_step and abort:
+            eng.abort_request([ids[i] for i in abort])
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    else:
+        raise AssertionError(f"engine did not finish: {eng.get_stats()}")
+    assert_idle(llm)
+    return [done.get(i) for i in ids]
+
+
+def assert_idle(llm: LLM) -> None:
+    eng = llm.engine
+    eng.scheduler.check_integrity()  # no request alive -> every block free
+    conn = eng.connector
+    assert not conn._jobs and not conn._reqs
+    mgr = conn.manager
+    assert all(mgr.ref_count(k) == 0 for k in list(mgr._entries))
+
+
+def ref_tokens(reference: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in run_plain(reference, prompts, max_tokens)]
+
+
+def run_plain(llm: LLM, prompts, max_tokens):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return outs
+
+
+def rand_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def test_prefix_from_tier_equals_primary_and_recompute(tiny_model_dir, reference) -> None:
+    rng = random.Random(0)
+    a = rand_prompt(rng, 120)
+    b = a + rand_prompt(rng, 9)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=24)
+    try:
+        (oa,) = run(llm, [a], 6)
+        # Evict a's blocks from the 23-block primary pool.
+        run(llm, [rand_prompt(rng, 340)], 2)
+        (ob,) = run(llm, [b], 6)
+        assert ob.metrics.num_external_cached_tokens >= 96
+        assert ob.metrics.num_cached_tokens + ob.metrics.num_external_cached_tokens <= len(b) - 1
+        # Primary-pool hit of the same prompt in a large pool.
+        big = make_llm(tiny_model_dir, num_kv_blocks=256)
+        try:
+            run(big, [a], 1)
+            (ob_primary,) = run(big, [b], 6)
+            assert ob_primary.metrics.num_cached_tokens >= 112
+        finally:
+            big.shutdown()
+        want = ref_tokens(reference, [a, b], 6)
+        assert oa.outputs[0].token_ids == want[0]
+        assert ob.outputs[0].token_ids == want[1] == ob_primary.outputs[0].token_ids
+        st = llm.get_stats().connector
+        assert st.load_bytes > 0 and st.store_bytes > 0 and st.lookup_hit_tokens >= 96
+        events = llm.engine.take_kv_events()
+        cpu = [e for e in events if getattr(e, "medium", None) == "CPU"]
+        assert cpu and any(type(e).__name__ == "BlockStored" and e.token_ids for e in cpu)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(("seed", "policy", "chunk"), [(1, "lru", 16), (2, "arc", 32)])
+def test_randomized_multi_turn(tiny_model_dir, reference, seed, policy, chunk) -> None:
+    """Several conversations sharing system prompts, a primary pool far below the working
+    set: later turns load their history from the tier; outputs equal recomputation."""
+    rng = random.Random(seed)
+    llm = make_llm(
+        tiny_model_dir, num_kv_blocks=20, kv_offload_policy=policy, kv_offload_block_size=chunk
+    )
+    try:
+        systems = [rand_prompt(rng, rng.randrange(20, 60)) for _ in range(2)]
+        convs = [list(rng.choice(systems)) for _ in range(6)]
+        asked: list[list[int]] = []
+        got: list[list[int]] = []
+        for _turn in range(4):
+            prompts = []
+            for conv in convs:
+                conv += rand_prompt(rng, rng.randrange(5, 40))
+                prompts.append(list(conv))
+            outs = run(llm, prompts, 4)
+            for conv, p, o in zip(convs, prompts, outs, strict=True):
+                asked.append(p)
+                got.append(o.outputs[0].token_ids)
+                conv += o.outputs[0].token_ids
+        st = llm.get_stats()
+        assert st.connector.lookup_hit_tokens > 0 and st.connector.load_bytes > 0
+        assert got == ref_tokens(reference, asked, 4)
+    finally:
+        llm.shutdown()
+
+
+def test_concurrent_requests_load_the_same_chunks(tiny_model_dir, reference) -> None:
+    rng = random.Random(3)
+    base = rand_prompt(rng, 96)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=40)
+    try:
+        run(llm, [base], 1)
+        run(llm, [rand_prompt(rng, 600)], 1)  # flush the primary pool
+        prompts = [base + rand_prompt(rng, 5) for _ in range(3)]
+        outs = run(llm, prompts, 5)
+        # All three were admitted in the same step and served from the tier.
+        assert all(o.metrics.num_external_cached_tokens >= 80 for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == ref_tokens(reference, prompts, 5)
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_with_offloading(tiny_model_dir, reference) -> None:
+    rng = random.Random(4)
+    prompts = [rand_prompt(rng, rng.randrange(40, 90)) for _ in range(4)]
+    llm = make_llm(tiny_model_dir, num_kv_blocks=20, max_num_seqs=4)
+    try:
+        outs = run(llm, prompts, 24)
+        assert llm.get_stats().num_preemptions > 0
+        assert [o.outputs[0].token_ids for o in outs] == ref_tokens(reference, prompts, 24)
+    finally:
+        llm.shutdown()
+
+
+def test_aborts_during_transfers(tiny_model_dir, reference) -> None:
+    rng = random.Random(5)
+    base = rand_prompt(rng, 100)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=24)
+    try:
+        run(llm, [base], 1)
+        run(llm, [rand_prompt(rng, 340)], 1)
+        prompts = [base + rand_prompt(rng, 4) for _ in range(3)] + [rand_prompt(rng, 50)]
+        # Abort two of the loading requests right after admission (their loads in flight)
+        # and the fresh one while its stores are in flight.
+        outs = run(llm, prompts, 4, abort={0, 2, 3}, abort_at_step=1)
+        assert outs[1] is not None
+        assert outs[1].outputs[0].token_ids == ref_tokens(reference, [prompts[1]], 4)[0]
+        # The tier still serves the prefix afterwards.
+        (again,) = run(llm, [base + [7, 8, 9]], 3)
+        assert again.outputs[0].token_ids == ref_tokens(reference, [base + [7, 8, 9]], 3)[0]
+    finally:
+        llm.shutdown()
