@@ -398,12 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="h100-llama8b")
     ap.add_argument("--time-scale", type=float, default=12.0)
     ap.add_argument("--num-groups", type=int, default=32)
-    ap.add_argument("--users-per-group", type=int, default=10)
+    ap.add_argument("--users-per-group", type=int, default=8)
     ap.add_argument("--prefix-len", type=int, default=6144)
     ap.add_argument("--question-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--fraction", type=float, default=0.7, help="prefixes / cluster KV")
-    ap.add_argument("--rate", type=float, default=120.0, help="modelled requests per second")
+    ap.add_argument("--rate", type=float, default=80.0, help="modelled requests per second")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument(
@@ -466,13 +466,14 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             run = run_strategy(strategy, args, workload, warmup, num_blocks, Path(tmp))
             s = run.summary
+            counters = run.config["instance_counters"]
             print(
                 f"{strategy:>15}: {s.output_throughput:8.0f} out tok/s  TTFT p50 "
                 f"{s.ttft.p50 if s.ttft else float('nan'):.3f}s p90 "
                 f"{s.ttft.p90 if s.ttft else float('nan'):.3f}s  hit "
                 f"{(s.cache_hit_ratio or 0):.1%}  failed {s.failed}  "
-                f"pace {run.config['instance_counters']['sim_pace']:.2f}  engine TTFT mean "
-                f"{run.config['instance_counters']['engine_ttft_mean_wall_s'] / args.time_scale:.3f}s  "
+                f"pace {counters['sim_pace']:.2f}  engine TTFT mean "
+                f"{counters['engine_ttft_mean_wall_s'] / args.time_scale:.3f}s  "
                 f"({time.monotonic() - t0:.0f}s wall)",
                 flush=True,
             )

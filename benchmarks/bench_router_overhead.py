@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from kvserve.bench.machine import describe_machine, machine_markdown
+from kvserve.cluster.config import default_scorers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "bench-model"
@@ -286,7 +287,9 @@ def main() -> None:
             "blocks": args.blocks,
             "block_s": args.block_s,
             "prompt_tokens": 1024,
-            "scheduler": "default (precise_prefix 3, approx_prefix 3, load 2, queue 1, kv 1)",
+            "scheduler": "default ("
+            + ", ".join(f"{x.name} {x.weight:g}" for x in default_scorers())
+            + ")",
         },
         "rows": rows,
         "goals": {"rate": 200, "overhead_p50_ms": 1.0, "overhead_p99_ms": 5.0},
