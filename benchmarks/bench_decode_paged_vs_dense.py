@@ -2,11 +2,14 @@
 
 Same model weights, same batch; only the attention's KV storage differs:
 - paged: kvserve's TorchAttentionBackend over ``[num_blocks, L, 2, block_size, H_kv, D]`` with
-  shuffled block tables (gathers each request's blocks every step);
+  shuffled block tables (gathers each request's blocks every step; the step includes building
+  the AttentionMetadata);
 - dense: one preallocated contiguous ``[B, H_kv, max_len, D]`` cache per layer (HF static-cache
   style), attention over a padded prefix view, no gather.
-Prints per-step times and the paged/dense ratio for the full model step and for attention
-alone. Usage: python benchmarks/bench_decode_paged_vs_dense.py [--preset small] [--out FILE]
+Prints per-step wall and CPU times and the paged/dense ratio for the full model step and for
+attention alone (one layer). Paged and dense calls alternate, so load changes on a shared
+machine hit both alike. Usage: python benchmarks/bench_decode_paged_vs_dense.py
+[--preset small | --model-dir DIR] [--threads 1,2] [--dtype float32] [--out FILE]
 """
 
 from __future__ import annotations

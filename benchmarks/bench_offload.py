@@ -344,7 +344,8 @@ def report(res: dict) -> str:
     for length, t in res.get("ttft", {}).items():
         lines.append(
             f"| 4. TTFT {length} tokens recompute / from tier | {t['speedup']:.1f}x "
-            f"({t['recompute_s'] * 1e3:.0f} / {t['from_tier_s'] * 1e3:.1f} ms) | >= 10x at 4k, small |"
+            f"({t['recompute_s'] * 1e3:.0f} / {t['from_tier_s'] * 1e3:.1f} ms) "
+            "| >= 10x at 4k (small) |"
         )
     if "hit_rate" in res:
         lines += [

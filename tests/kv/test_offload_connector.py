@@ -140,7 +140,11 @@ class Harness:
                 return
             if self.step().is_empty:  # only transfers in flight: let them land
                 self.conn.worker.wait(list(self.conn._jobs))
-        raise AssertionError("did not finish")
+        waiting = [(r, len(self.kvm.get_blocks(r.request_id))) for r in self.sched.waiting]
+        raise AssertionError(
+            f"did not finish: running={self.sched.running} waiting (request, blocks held)="
+            f"{waiting} free blocks={self.kvm.get_num_free_blocks()}"
+        )
 
     def settle(self) -> None:
         """Let in-flight stores finish and their completions be applied."""

@@ -205,6 +205,16 @@ class Scheduler:
     ) -> int:
         skipped: list[Request] = []
         num_scheduled = out.num_scheduled_tokens
+        # Requests back from a KV load hold their prompt's blocks: they go first, so that a
+        # request needing new blocks never waits (with nothing running) for blocks they hold.
+        ready = [
+            r
+            for r in self.waiting
+            if r.status == RequestStatus.WAITING and self.kv.get_blocks(r.request_id)
+        ]
+        if ready:
+            ids = {id(r) for r in ready}
+            self.waiting = deque(ready + [r for r in self.waiting if id(r) not in ids])
         connector = self.connector
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -235,6 +245,8 @@ class Scheduler:
                 num_computed = num_hit + num_external
                 if load_async:
                     num_new = 0
+                    # Reserve the rest of the prompt now, so the request can run once loaded.
+                    num_alloc = request.num_tokens - num_computed
                 else:
                     num_new = request.num_tokens - num_computed
                     if not self._fits_budget(request, num_new, budget):
@@ -242,7 +254,7 @@ class Scheduler:
                     num_new = min(num_new, budget)
                 new_blocks = self.kv.allocate_slots(
                     request,
-                    num_new,
+                    num_alloc if load_async else num_new,
                     num_hit,
                     hit_blocks,
                     num_external_computed_tokens=num_external,
