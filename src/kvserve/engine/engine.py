@@ -133,7 +133,12 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             vocab = self.runner.model_config.vocab_size
-            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+            # C-speed checks: long token-id prompts are common (routers, benchmarks).
+            if token_ids and (
+                not set(map(type, token_ids)) <= {int}
+                or min(token_ids) < 0
+                or max(token_ids) >= vocab
+            ):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")

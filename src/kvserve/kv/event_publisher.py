@@ -8,7 +8,9 @@ It does not know what the events mean: producers (block pool, tiers) create them
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -71,6 +73,10 @@ class ZmqEventPublisher:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._closed = False
+        # The thread sleeps in one poll over this pipe and the replay socket: no periodic wakeups.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self.endpoint: str = endpoint
         self.replay_endpoint: str | None = replay_endpoint
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
@@ -88,6 +94,7 @@ class ZmqEventPublisher:
             return
         try:
             self._queue.put_nowait((time.time(), list(events)))
+            self._wake()
         except queue.Full:
             # Seqs are assigned when sending, so subscribers cannot see this loss: log it.
             self._dropped += 1
@@ -118,7 +125,15 @@ class ZmqEventPublisher:
             return
         self._closed = True
         self._queue.put(_CLOSE)
+        self._wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe already means "wake up"
+            os.write(self._wake_w, b"\0")
 
     def __enter__(self) -> ZmqEventPublisher:
         return self
@@ -150,11 +165,17 @@ class ZmqEventPublisher:
             self._ready.set()
             return
         self._ready.set()
-        wait = 0.005 if replay is not None else 0.1
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
         try:
             while True:
+                poller.poll()
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 65536)
                 try:
-                    item = self._queue.get(timeout=wait)
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     item = None
                 # Send everything queued before looking at replay requests.

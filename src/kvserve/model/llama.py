@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.attention import AttentionMetadata, get_attention_backend
+from kvserve.engine.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    get_attention_backend,
+)
 from kvserve.model.config import ModelConfig
 
 
@@ -106,7 +110,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend=None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: TorchAttentionBackend | None = None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -158,7 +164,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend=None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, backend: TorchAttentionBackend | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, backend)
         self.mlp = MLP(config)

@@ -195,6 +195,16 @@ class SimInstance:
         )
         self.engine = build_sim_engine(cfg)
         self.runner: SimModelRunner = self.engine.runner  # type: ignore[assignment]
+        # Requests the engine accepted (the oracle router tells routed-but-not-arrived ones).
+        self.num_added = 0
+        add = self.engine.add_request
+
+        def counted_add(*a, **kw):
+            rid = add(*a, **kw)
+            self.num_added += 1
+            return rid
+
+        self.engine.add_request = counted_add  # type: ignore[method-assign]
         self.async_engine = AsyncEngine(self.engine)
         self.publisher = None
         if spec.kv_events_endpoint:

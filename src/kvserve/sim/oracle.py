@@ -6,7 +6,7 @@ candidate, reads the engine's block pool (exact primary-cache hit of the prompt)
 tier (exact host-tier hit), and its waiting and running queues (the prefill work ahead), then
 predicts the request's time to first token with the instance's own latency model::
 
-    ttft(e) = queue_prefill_work(e) + in-transit work routed to e but not admitted yet
+    ttft(e) = queue_prefill_work(e) + prefill of requests routed to e not yet received
               + own(e),   own(e) = transfer(tier hit) + prefill(uncached tokens)
 
 and picks the minimum of ``ttft(e) + own(e) - min own``: a miss also delays every request
@@ -19,7 +19,6 @@ queues (atomic under the GIL).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -33,17 +32,17 @@ if TYPE_CHECKING:
     from kvserve.cluster.gateway import Router
     from kvserve.sim.instance import SimCluster, SimInstance
 
-# Work routed to an instance counts as "in transit" until the engine has surely admitted it.
-TRANSIT_S = 0.05
-
 
 class OracleScorer:
     name = "oracle"
 
     def __init__(self, cluster: SimCluster) -> None:
         self.instances = cluster.by_name()
-        self._transit: dict[str, deque[tuple[float, float]]] = {n: deque() for n in self.instances}
-        self._own: dict[str, float] = {}
+        # Per instance: own cost of each request routed there, and how many were routed.
+        self._routed: dict[str, deque[float]] = {n: deque() for n in self.instances}
+        self._num_routed = dict.fromkeys(self.instances, 0)
+        self._base_added = {n: i.num_added for n, i in self.instances.items()}
+        self._picks: dict[int, tuple[str, float]] = {}  # id(request) -> (pick, own cost)
 
     def predicted_ttft(self, inst: SimInstance, req: RoutingRequest) -> float:
         """Modelled seconds until ``req``'s first token if it were sent to ``inst`` now."""
@@ -65,7 +64,7 @@ class OracleScorer:
         tier_blocks = self._tier_hit(engine, hashes, hit)
         own = lat.prefill_time(n, (hit + tier_blocks) * bs)
         own += lat.transfer_time(tier_blocks * inst.runner.kv_block_bytes())
-        return own, self._queue_time(inst) + self._transit_time(inst.name)
+        return own, self._queue_time(inst) + self._transit_time(inst)
 
     @staticmethod
     def _gpu_hit(engine, hashes: list[bytes]) -> int:
@@ -108,12 +107,15 @@ class OracleScorer:
         # Decodes batched with the prefill slow each of its steps a little.
         return work + len(running) * lat.decode_per_seq
 
-    def _transit_time(self, name: str) -> float:
-        q = self._transit[name]
-        now = time.monotonic()
-        while q and q[0][0] < now:
+    def _transit_time(self, inst: SimInstance) -> float:
+        """Prefill of requests routed to ``inst`` that its engine has not received yet."""
+        name = inst.name
+        arrived = inst.num_added - self._base_added[name]
+        pending = max(0, self._num_routed[name] - arrived)
+        q = self._routed[name]
+        while len(q) > pending:
             q.popleft()
-        return sum(w for _, w in q)
+        return sum(q)
 
     def score(self, req: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
         inf = float("inf")
@@ -123,7 +125,13 @@ class OracleScorer:
         ]
         min_own = min(own for own, _ in preds)
         costs = [ahead + 2 * own - min_own for own, ahead in preds]
-        self._own = {e.name: own for e, (own, _) in zip(endpoints, preds, strict=True)}
+        # Count the request against its likely pick now (the picker takes the max score):
+        # it is in transit from here until the engine receives it; ``observe`` corrects it.
+        best = min(range(len(costs)), key=costs.__getitem__)
+        if costs[best] != inf:
+            name = endpoints[best].name
+            self._assume(name, preds[best][0], +1)
+            self._picks[id(req)] = (name, preds[best][0])
         finite = [c for c in costs if c != float("inf")]
         if not finite:
             return [0.0] * len(endpoints)
@@ -136,10 +144,21 @@ class OracleScorer:
         inst = self.instances.get(endpoint.name)
         if inst is None:
             return
-        # The request's own prefill is now work ahead of the next one, until admitted.
-        own = self._own.get(endpoint.name, 0.0)
-        ttl = TRANSIT_S * max(1.0, inst.runner.time_scale)
-        self._transit[endpoint.name].append((time.monotonic() + ttl, own))
+        guess = self._picks.pop(id(req), None)
+        if guess is None or guess[0] == endpoint.name:
+            return
+        # Tie broken otherwise, or failover: move the request to where it went.
+        self._assume(guess[0], guess[1], -1)
+        self._assume(endpoint.name, self.predict(inst, req)[0], +1)
+
+    def _assume(self, name: str, own: float, delta: int) -> None:
+        """Count (``+1``) or uncount (``-1``) one request routed to ``name``."""
+        q = self._routed[name]
+        self._num_routed[name] += delta
+        if delta > 0:
+            q.append(own)
+        elif q:
+            q.pop()
 
 
 def oracle_router_config(cluster: SimCluster, port: int, host: str, tokenizer: str) -> RouterConfig:
