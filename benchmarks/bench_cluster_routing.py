@@ -17,8 +17,10 @@ One run per strategy, each on a freshly started cluster:
   load 2, queue 1, KV utilization 1);
 - ``precise-tiers``: the same router on instances with a host-memory offload tier (CPU
   medium events, tier weights GPU 1.0 / CPU 0.8);
-- ``oracle``: the same gateway with a scorer that reads every engine's exact cache and
-  queues in the simulator's process and picks the minimum predicted TTFT (upper bound).
+- ``oracle``: the same gateway with a scorer that reads every engine's exact cache, free
+  queue and queues in the simulator's process and picks the minimum of predicted TTFT plus
+  the prefill of the cached blocks the placement would evict (upper bound; see
+  ``kvserve/sim/oracle.py``).
 
 Simulated time runs ``--time-scale`` times slower than the modelled hardware (room for 16
 instances on 2 cores); every latency and throughput reported is converted back to modelled
