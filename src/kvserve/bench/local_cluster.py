@@ -114,17 +114,18 @@ class LocalCluster:
         return self
 
     def _wait_router_sees_engines(self, timeout: float) -> None:
-        """The router marks endpoints healthy after its first health check."""
+        """Every engine healthy in the router (after its first health checks)."""
         import httpx
 
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(self.router_url + "/v1/models", timeout=5.0, trust_env=False)
-                if r.status_code == 200 and r.json().get("data"):
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                r = httpx.get(self.router_url + "/router/state", timeout=5.0, trust_env=False)
+                eps = r.json()["endpoints"]
+                if len(eps) == len(self.engines) and all(e["healthy"] for e in eps):
                     return
-            time.sleep(0.3)
-        raise TimeoutError("router did not see its engines")
+            time.sleep(0.2)
+        raise TimeoutError("router did not see every engine healthy")
 
     def stop(self) -> None:
         procs = [p for p in [self.router, *self.engines] if p is not None]
