@@ -71,26 +71,9 @@ def _token_array(x: Any) -> array | None:
         raise BadRequestError("prompt token ids must be in [0, 2**32)") from None
 
 
-def _message_text(content: Any) -> str:
-    if isinstance(content, list):  # content parts: the text ones, one per line
-        return "\n".join(
-            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
-        )
-    return content or ""
-
-
 def chat_prompt_ids(tok: Any, messages: list[Any], add_generation_prompt: bool) -> list[int]:
     """The prompt token ids of a chat request, exactly as ``kvserve serve`` builds them."""
-    msgs = []
-    for m in messages:
-        msg = {"role": m["role"], "content": _message_text(m.get("content"))}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        msgs.append(msg)
-    text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-    bos = getattr(tok, "bos_token", None)
-    # A template that renders the BOS token itself must not get a second one.
-    return tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+    return tok.encode_chat(messages, add_generation_prompt=add_generation_prompt)
 
 
 def routing_request(

@@ -93,12 +93,7 @@ class LLM:
         """Apply the model's chat template, then :meth:`generate`."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
-        prompts = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt=True)
-            # A template that renders the BOS itself must not get a second one.
-            has_bos = bool(tok.bos_token) and text.startswith(tok.bos_token)
-            prompts.append(tok.encode(text, add_special_tokens=not has_bos))
+        prompts = [tok.encode_chat(conv, add_generation_prompt=True) for conv in conversations]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def get_stats(self) -> EngineStats:

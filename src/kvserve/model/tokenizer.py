@@ -106,6 +106,34 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"chat template error: {e}") from e
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Prompt token ids of a chat request: the one rule shared by the server, the router
+        and ``LLM.chat`` (so the router hashes exactly what the engine caches).
+
+        Content given as OpenAI content parts keeps its text parts, one per line. A template
+        that renders the BOS token itself does not get a second one from ``encode``.
+        """
+        msgs = []
+        for m in messages:
+            msg = {"role": m["role"], "content": chat_message_text(m.get("content"))}
+            if m.get("name") is not None:
+                msg["name"] = m["name"]
+            msgs.append(msg)
+        text = self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        bos = self.bos_token
+        return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
+def chat_message_text(content: Any) -> str:
+    """Text of one message's content: a string, or the text parts of a content-part list."""
+    if isinstance(content, list):
+        return "\n".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    return content or ""
+
 
 class IncrementalDetokenizer:
     """Text of appended token ids, emitted as soon as it is complete UTF-8.

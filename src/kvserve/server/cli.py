@@ -34,7 +34,8 @@ def _advertised_host(host: str) -> str:
         return "127.0.0.1"
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: a free one), shared with child processes."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, note_signal)
-    sock = _bind(server_config.host, server_config.port)
+    sock = bind_socket(server_config.host, server_config.port)
     port = sock.getsockname()[1]
 
     engine = LLMEngine(engine_config)

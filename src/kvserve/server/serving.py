@@ -410,25 +410,11 @@ class OpenAIServing:
             raise bad_request("messages must not be empty", "messages")
         if req.tools:
             raise bad_request("tools are not supported", "tools")
-        messages = []
-        for m in req.messages:
-            if isinstance(m.content, list):
-                content = "\n".join(part.text for part in m.content)
-            else:
-                content = m.content or ""
-            msg: dict[str, Any] = {"role": m.role, "content": content}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt
-            )
+            ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt)
         except Exception as exc:  # jinja errors (raise_exception in the template, ...)
             raise bad_request(f"chat template failed: {exc}", "messages") from exc
-        # Templates that render the BOS token themselves must not get a second one.
-        bos = getattr(self.tokenizer, "bos_token", None)
-        ids = self.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
         self._check_tokens(ids, "messages")
         return ids
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.config import EngineConfig, ServerConfig
+from kvserve.server.cli import bind_socket as server_bind_socket
 from kvserve.sim.latency_model import LatencyModel, get_preset
 from kvserve.sim.runner import SimModelRunner
 
@@ -155,11 +156,7 @@ class _Server:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    sock = server_bind_socket(host, port)
     sock.setblocking(False)
     return sock
 
