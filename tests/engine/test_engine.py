@@ -66,6 +66,17 @@ def test_stop_string_truncates_text(llm):
     _idle(llm)
 
 
+def test_shared_params_are_not_mutated(llm):
+    sp = SamplingParams(max_tokens=None, temperature=0)  # None: fill each request's context
+    eng = llm.engine
+    eng.add_request("short", [40] * 30, sp)
+    eng.add_request("long", [41] * 2000, sp)  # fails if "short" completed the shared params
+    assert sp.max_tokens is None
+    eng.abort_request(["short", "long"])
+    eng.step()
+    _idle(llm)
+
+
 def test_stop_token_ids(llm):
     base = llm.generate([[11, 12, 13]], SamplingParams(max_tokens=8, temperature=0))[0]
     toks = base.outputs[0].token_ids

@@ -7,6 +7,7 @@ input validation, stop strings, and the per-step RequestOutputs. It does not own
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -97,6 +98,7 @@ class LLMEngine:
             self.connector.register_kv_caches(self.kv_cache)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.connector)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self._extra_eos = [t for t in mc.eos_token_id if t != self.eos_token_id]
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         logger.info(
@@ -124,6 +126,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         if params.n != 1:
             raise ValueError("LLMEngine takes n=1 requests; fan out n in the caller")
+        params = dataclasses.replace(params)  # ours to complete; callers may share theirs
         text: str | None = None
         if isinstance(prompt, str):
             if not prompt:
@@ -155,6 +158,9 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length {self.max_model_len}"
             )
+        if self._extra_eos and not params.ignore_eos:
+            # generation_config.json may list several EOS ids (Llama 3): all of them stop.
+            params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *self._extra_eos]))
         req = Request(
             request_id,
             token_ids,
