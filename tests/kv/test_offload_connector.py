@@ -12,6 +12,7 @@ the step where it happens. The engine-level tests with a real model are in
 from __future__ import annotations
 
 import random
+import threading
 import zlib
 
 import pytest
@@ -242,10 +243,15 @@ def test_abort_during_load_releases_blocks_and_pins() -> None:
     h.add("x", prompt(rng, 56), 1)
     h.settle()
     b = h.add("b", a + [1], 3)
+    # Hold the transfer thread so that the load is still in flight when b is aborted (an idle
+    # step otherwise waits for it in get_finished).
+    gate, real_run = threading.Event(), h.conn.worker._run
+    h.conn.worker._run = lambda job: (gate.wait(10), real_run(job))[1]
     h.step()
     assert b.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     h.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert "b" in h.sched.held  # the load still writes its blocks
+    gate.set()
     h.run()
     assert "b" not in h.sched.held
     h.add("y", prompt(rng, 56), 1)

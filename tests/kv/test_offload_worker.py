@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -64,6 +65,17 @@ def test_copy_blocks_matches_reference(dtype) -> None:
     for s, d in zip(src_ids, dst_ids, strict=True):
         ref[d] = src[s]
     assert torch.equal(dst, ref)
+
+
+def test_copy_blocks_rejects_bad_ids() -> None:
+    src, dst = kv_cache(1), kv_cache(2)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="twice"):
+        copy_blocks(src, dst, [1, 2], [4, 4])
+    for src_ids, dst_ids in [([1, NUM_BLOCKS], [4, 7]), ([1, 2], [4, NUM_BLOCKS]), ([-1], [3])]:
+        with pytest.raises(IndexError, match="out of range"):
+            copy_blocks(src, dst, src_ids, dst_ids)
+    assert torch.equal(dst, before)  # checked before anything is copied
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -225,3 +237,26 @@ def test_layout_mismatch_is_rejected() -> None:
     tier = tier_for(other, 1, slots=2)
     with pytest.raises(ValueError, match="do not match"):
         make_transfer_worker(kv, tier)
+
+
+def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
+    kv = kv_cache(9)
+    tier = tier_for(kv, 1, slots=2)
+    worker = CpuTransferWorker(kv, tier)
+    gate = threading.Event()
+    real_run = worker._run
+    worker._run = lambda job: (gate.wait(10), real_run(job))[1]
+    try:
+        worker.wait_any(10)  # nothing in flight: returns at once
+        worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
+        worker.wait_any(0.02)  # the job is held: returns after the timeout, nothing ready
+        assert worker.poll() == []
+        threading.Timer(0.05, gate.set).start()
+        t = time.monotonic()
+        worker.wait_any(30)  # wakes when the job ends, not at the timeout
+        assert time.monotonic() - t < 10
+        (res,) = worker.poll()
+        assert res.ok and torch.equal(tier.chunk_view(0)[0], kv[1])
+    finally:
+        gate.set()
+        worker.shutdown()

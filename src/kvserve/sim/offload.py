@@ -94,6 +94,13 @@ class SimTransferWorker:
         if ends:
             time.sleep(max(0.0, max(ends) - time.monotonic()))
 
+    def wait_any(self, timeout: float) -> None:
+        """Sleep until the earliest job's modelled end (at most ``timeout``)."""
+        with self._lock:
+            first = min((e[1] for e in self._jobs.values()), default=None)
+        if first is not None:
+            time.sleep(min(timeout, max(0.0, first - time.monotonic())))
+
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         """Drop jobs that have not started; the next poll reports them cancelled."""
         now = time.monotonic()

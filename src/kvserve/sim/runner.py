@@ -58,6 +58,7 @@ class SimModelConfig:
 
     vocab_size: int
     max_position_embeddings: int
+    eos_token_id: list[int] = field(default_factory=list)  # the tokenizer's EOS suffices
 
     @property
     def max_context_len(self) -> int:

@@ -45,6 +45,10 @@ def copy_blocks(
 ) -> int:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; returns the bytes copied."""
     runs = block_runs(src_ids, dst_ids)
+    n_src, n_dst = src.shape[0], dst.shape[0]
+    for s, d, n in runs:  # numpy and torch would silently shorten an out-of-range slice
+        if s < 0 or d < 0 or s + n > n_src or d + n > n_dst:
+            raise IndexError(f"block run {s}->{d} (x{n}) out of range ({n_src} -> {n_dst})")
     if src.device.type == "cpu" and dst.device.type == "cpu":
         # Host to host: plain byte rows, copied by numpy (a memcpy per run, no thread pool).
         s_np, d_np = as_byte_rows(src), as_byte_rows(dst)

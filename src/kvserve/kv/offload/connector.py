@@ -20,7 +20,9 @@ the tier and its blocks (and the following ones of that load) are reported in
 ``invalid_block_ids``: the request recomputes them, the output never changes.
 
 Both halves run in the engine's process and share this object; job completions are applied
-to the manager in :meth:`get_finished` (the engine calls it every step).
+to the manager in :meth:`get_finished` (the engine calls it every step). After a step that
+computed nothing (only transfers in flight) it blocks, bounded, until a job ends: an engine that
+spins instead holds the GIL and starves the transfer thread.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ if TYPE_CHECKING:
     from kvserve.kv.events import AnyKVEvent
 
 logger = logging.getLogger(__name__)
+
+# Longest wait for a transfer in get_finished() after a step that computed nothing.
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -112,6 +117,7 @@ class OffloadingConnector(KVConnectorBase):
         self._jobs: dict[int, _JobRecord] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._loads_to_start: list[TransferJob] = []
+        self._idle_step = False  # the step being run schedules no tokens
         self._job_ids = itertools.count(1)
         self._stats = KVConnectorStats()
         self._counts = {"load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0}
@@ -213,6 +219,7 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         meta = OffloadConnectorMetadata(loads=self._loads_to_start)
         self._loads_to_start = []
+        self._idle_step = scheduler_output.is_empty
         mgr = self._mgr()
         k, ct = self.blocks_per_chunk, self.chunk_tokens
         for request in scheduler_output.scheduled:
@@ -350,7 +357,12 @@ class OffloadingConnector(KVConnectorBase):
         if self.worker is None:
             return out
         mgr = self._mgr()
-        for res in self.worker.poll():
+        results = self.worker.poll()
+        if not results and self._idle_step and self._jobs:
+            # Nothing to compute until a transfer lands: sleep on it (releases the GIL).
+            self.worker.wait_any(IDLE_WAIT_S)
+            results = self.worker.poll()
+        for res in results:
             rec = self._jobs.pop(res.job_id, None)
             if rec is None:
                 continue

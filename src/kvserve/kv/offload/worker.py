@@ -11,7 +11,9 @@ On the CPU a background thread runs jobs in submission order (torch releases the
 copying, so copies overlap the forward pass). On CUDA each job goes to a stream of a pool,
 ordered by events: a store first waits for the compute stream (the forward that wrote its
 blocks), and completion is polled with ``Event.query()``. ``poll`` never blocks; ``wait`` does
-(flush before a preempted request's blocks are reused); ``cancel`` drops jobs not yet started.
+(flush before a preempted request's blocks are reused); ``wait_any`` blocks, bounded, until some
+job ends (an idle engine sleeps on it instead of spinning); ``cancel`` drops jobs not yet
+started.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class TransferWorker:
     def wait(self, job_ids: Iterable[int]) -> None:
         raise NotImplementedError
 
+    def wait_any(self, timeout: float) -> None:
+        """Block until a result is ready to :meth:`poll`, nothing is in flight, or ``timeout``
+        seconds passed."""
+        raise NotImplementedError
+
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         return set()
 
@@ -128,6 +135,10 @@ class CpuTransferWorker(TransferWorker):
         ids = set(job_ids)
         with self._cond:
             self._cond.wait_for(lambda: not (ids & self._inflight))
+
+    def wait_any(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
 
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         ids = set(job_ids)
@@ -262,6 +273,13 @@ class CudaTransferWorker(TransferWorker):  # pragma: no cover - needs CUDA
             entry = self._inflight.get(jid)
             if entry is not None:
                 entry[2].synchronize()
+
+    def wait_any(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self._inflight and time.monotonic() < deadline:
+            if any(done.query() for _, _, done, _ in self._inflight.values()):
+                return
+            time.sleep(5e-5)
 
     def shutdown(self) -> None:
         for _, _, done, _ in self._inflight.values():
