@@ -207,7 +207,7 @@ class LLMEngine:
             runner_out.finished_recving |= co.finished_recving
             runner_out.invalid_block_ids |= co.invalid_block_ids
         updated = self.scheduler.update_from_output(sched_out, runner_out)
-        if sched_out.is_empty and not updated and self.scheduler.has_requests():
+        if sched_out.is_empty and not updated and self.has_unfinished_requests():
             # Only requests waiting for KV transfers (loads, or stores holding finished
             # requests' blocks): do not spin the CPU.
             time.sleep(0.0005)
