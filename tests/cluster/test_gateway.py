@@ -386,3 +386,28 @@ def test_slow_health_checks_do_not_take_out_an_endpoint_that_answers_requests() 
             await stop_all(router, a)
 
     arun(main)
+
+
+def test_without_kv_events_a_repeated_prefix_follows_the_routing_history() -> None:
+    """Default scheduler, endpoints without KV events: the router's own history of where each
+    prefix went (approximate prefix) keeps a conversation on one endpoint."""
+
+    async def main() -> None:
+        backends = [await FakeBackend(n).start() for n in "abc"]
+        router = await start_router([b.url for b in backends], scheduler={})
+        try:
+            async with aiohttp.ClientSession() as s:
+                for conv in range(4):
+                    prompt = [1000 * conv + i for i in range(8 * BS)]
+                    served = set()
+                    for _ in range(4):
+                        prompt = prompt + [7] * BS  # the next turn extends the conversation
+                        status, _, ep = await post(s, router, {"model": "m", "prompt": prompt})
+                        assert status == 200
+                        served.add(ep)
+                    assert len(served) == 1, served
+            assert router.history.size() > 0
+        finally:
+            await stop_all(router, *backends)
+
+    arun(main)

@@ -111,11 +111,21 @@ def test_approx_prefix_uses_history_only_for_endpoints_without_events() -> None:
 
 
 def test_history_ttl_and_bound() -> None:
-    hist = RoutingHistory(ttl_s=10, max_blocks_per_endpoint=3)
-    hist.record("a", [1, 2, 3, 4], now=0.0)
-    assert hist.match("a", [2, 3, 4], now=1.0) == 3 and hist.match("a", [1], now=1.0) == 0
-    assert hist.match("a", [2, 3, 4], now=11.0) == 0  # expired
+    hist = RoutingHistory(ttl_s=10, max_blocks_per_endpoint=8)
+    hist.record("a", [1, 2, 3], now=0.0)
+    assert hist.match("a", [1, 2, 3, 9], now=1.0) == 3 and hist.match("b", [1], now=1.0) == 0
+    assert hist.match("a", [1, 2, 7, 8], now=1.0) == 2  # diverges after block 1
+    assert hist.match("a", [1, 2, 3], now=15.0) == 3  # kept for at least ttl_s
+    hist.record("a", [1, 2], now=15.0)  # routed again: kept for another ttl_s
+    assert hist.match("a", [1, 2, 3], now=21.0) == 2  # 3 was last routed > 2 * ttl_s ago
+    assert hist.match("a", [1, 2, 3], now=41.0) == 0  # expired
     assert hist.size() == 0
+    # The bound: at most max_blocks_per_endpoint keys, the oldest generation dropped first.
+    for i in range(10):
+        hist.record("a", [100 * i + j for j in range(3)], now=50.0)
+        assert hist.size() <= 8
+    assert hist.match("a", [900, 901, 902], now=50.0) == 3
+    assert hist.match("a", [0, 1, 2], now=50.0) == 0
 
 
 def test_load_queue_and_kv_util_scorers_are_normalized() -> None:

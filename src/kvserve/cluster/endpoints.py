@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import aiohttp
+import msgspec
 
 from kvserve.cluster.config import (
     ConfigError,
@@ -29,6 +29,7 @@ from kvserve.cluster.config import (
     parse_endpoints,
     read_structured_file,
 )
+from kvserve.cluster.upstream import Origin, UpstreamError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,10 @@ class Endpoint:
     metrics_at: float = 0.0  # time.monotonic() of the last successful scrape
     in_flight: int = 0  # requests this router has sent and not yet finished
     answered_at: float = 0.0  # time.monotonic() of the last proxied response it answered
+    name: str = field(init=False)  # the spec's key (a plain attribute: read per request)
 
-    @property
-    def name(self) -> str:
-        return self.spec.key
+    def __post_init__(self) -> None:
+        self.name = self.spec.key
 
     @property
     def url(self) -> str:
@@ -128,7 +129,9 @@ class EndpointPool:
         self._static = list(specs)
         self._file_mtime: float | None = None
         self._tasks: list[asyncio.Task] = []
-        self._session: aiohttp.ClientSession | None = None
+        self._client: UpstreamPool | None = None
+        self._own_client = False
+        self._origins: dict[str, Origin] = {}
         self._checking: set[str] = set()
 
     # ------------------------------------------------------------------ membership
@@ -183,10 +186,10 @@ class EndpointPool:
 
     # ------------------------------------------------------------------ upkeep
 
-    async def start(self, session: aiohttp.ClientSession | None = None) -> None:
+    async def start(self, client: UpstreamPool | None = None) -> None:
         """Load, check every endpoint once, then keep checking in the background."""
-        self._session = session or aiohttp.ClientSession()
-        self._own_session = session is None
+        self._client = client or UpstreamPool()
+        self._own_client = client is None
         self.load()
         await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))
         await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values())))
@@ -204,9 +207,9 @@ class EndpointPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
-        if self._session is not None and self._own_session:
-            await self._session.close()
-        self._session = None
+        if self._client is not None and self._own_client:
+            await self._client.close()
+        self._client = None
 
     async def _loop(self, interval: float, fn: Callable) -> None:
         while True:
@@ -237,29 +240,32 @@ class EndpointPool:
     async def _scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values()) if e.healthy))
 
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.health.timeout_s)
+    async def _get(self, ep: Endpoint, path: str) -> tuple[int, bytes]:
+        assert self._client is not None
+        origin = self._origins.get(ep.url)
+        if origin is None:
+            origin = self._origins[ep.url] = Origin.from_url(ep.url)
+        return await self._client.get(origin, path, timeout_s=self.health.timeout_s)
 
     async def check(self, ep: Endpoint) -> bool:
         """One health check (and model discovery while the models are unknown)."""
-        if ep.name in self._checking or self._session is None:
+        if ep.name in self._checking or self._client is None:
             return ep.healthy
         self._checking.add(ep.name)
         started = time.monotonic()
         try:
-            async with self._session.get(ep.url + "/health", timeout=self._timeout()) as r:
-                ok = r.status == 200
-                await r.read()
+            status, _ = await self._get(ep, "/health")
+            ok = status == 200
             if ok and (not ep.model_cards or not ep.models):
                 await self._discover(ep)
-            error = None if ok else f"/health returned {r.status}"
+            error = None if ok else f"/health returned {status}"
         except TimeoutError as e:
             ok, error = False, f"{type(e).__name__}: {e}"
             if ep.answered_at >= started:
                 # It answered real requests meanwhile: the check was slow because this
                 # process is overloaded (its event loop lags), not because the endpoint is.
                 return ep.healthy
-        except (aiohttp.ClientError, OSError) as e:
+        except (UpstreamError, OSError) as e:
             ok, error = False, f"{type(e).__name__}: {e}"
         finally:
             self._checking.discard(ep.name)
@@ -279,13 +285,14 @@ class EndpointPool:
         return ep.healthy
 
     async def _discover(self, ep: Endpoint) -> None:
-        assert self._session is not None
         try:
-            async with self._session.get(ep.url + "/v1/models", timeout=self._timeout()) as r:
-                if r.status != 200:
-                    return
-                body = await r.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            status, raw = await self._get(ep, "/v1/models")
+            if status != 200:
+                return
+            body = msgspec.json.decode(raw)
+        except (TimeoutError, UpstreamError, OSError, msgspec.DecodeError):
+            return
+        if not isinstance(body, dict) or not isinstance(body.get("data"), list):
             return
         cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
         ep.model_cards = cards
@@ -293,14 +300,14 @@ class EndpointPool:
             ep.models = tuple(str(c["id"]) for c in cards)
 
     async def scrape(self, ep: Endpoint) -> None:
-        if self._session is None:
+        if self._client is None:
             return
         try:
-            async with self._session.get(ep.url + "/metrics", timeout=self._timeout()) as r:
-                if r.status != 200:
-                    return
-                text = await r.text()
-        except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError):
+            status, raw = await self._get(ep, "/metrics")
+            if status != 200:
+                return
+            text = raw.decode("utf-8")
+        except (TimeoutError, UpstreamError, OSError, UnicodeDecodeError):
             return
         values = parse_prometheus_text(text)
         ep.num_requests_running = values.get(METRIC_RUNNING, 0.0)

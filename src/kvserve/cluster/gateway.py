@@ -2,32 +2,35 @@
 
 Owns the request path (parse -> tokenize/hash -> schedule -> proxy with failover -> relay)
 and the wiring of the parts: endpoint pool, KV index + event subscriber, routing history,
-scheduler, metrics. Responses are relayed as they arrive (streams chunk by chunk); a request
-is retried on the next-ranked endpoint only while nothing has been sent to the client
-(connection failure, timeout before headers, or a 5xx); a client that disconnects cancels
-its handler, which closes the upstream connection so the engine aborts the request.
+scheduler, metrics. The wire on both sides is the router's own lean HTTP/1.1
+(:mod:`~kvserve.cluster.http_server`, :mod:`~kvserve.cluster.upstream`): a proxied request
+is one parse, one routing decision and one write each way. Responses are relayed as they
+arrive (streams piece by piece); a request is retried on the next-ranked endpoint only while
+nothing has been sent to the client (connection failure, timeout before headers, or a 5xx);
+a client that disconnects cancels its handler, which closes the upstream connection so the
+engine aborts the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import msgspec
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from yarl import URL
 
 from kvserve.cluster.config import RouterConfig
 from kvserve.cluster.endpoints import Endpoint, EndpointPool
 from kvserve.cluster.event_subscriber import EventSubscriber
 from kvserve.cluster.filters import NoEndpointError
 from kvserve.cluster.history import RoutingHistory, SessionTable
+from kvserve.cluster.http_server import HttpRequest, HttpResponse, HttpServer
 from kvserve.cluster.kv_index import KVIndex
 from kvserve.cluster.metrics import RouterMetrics
 from kvserve.cluster.routing_request import RoutingRequest
@@ -38,28 +41,45 @@ from kvserve.cluster.tokenization import (
     prompt_chars,
     routing_request,
 )
+from kvserve.cluster.upstream import (
+    Origin,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 logger = logging.getLogger(__name__)
 
 ENDPOINT_HEADER = "x-kvserve-endpoint"  # on every proxied response: who served it
+_ENDPOINT_HEADER_B = ENDPOINT_HEADER.encode()
+# Request headers not forwarded: hop-by-hop ones and those the upstream request sets itself.
 _HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
     }
 )
-_KEEP_RESPONSE_HEADERS = ("content-type", "x-request-id", "cache-control")
+_KEEP_RESPONSE_HEADERS = frozenset({b"content-type", b"x-request-id", b"cache-control"})
 _INLINE_TOKENS = 4096  # token-id prompts longer than this are hashed on a worker thread
 _json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+_JSON = [(b"content-type", b"application/json")]
+
+Reply = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
 
 
 class UpstreamFailed(Exception):
@@ -71,9 +91,14 @@ class UpstreamFailed(Exception):
         self.endpoint_down = endpoint_down
 
 
-def _error(status: int, message: str, etype: str = "invalid_request_error") -> web.Response:
+def error_reply(status: int, message: str, etype: str = "invalid_request_error") -> Reply:
+    """An OpenAI-style error body."""
     body = {"error": {"message": message, "type": etype, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+    return status, _JSON, _json_encode(body)
+
+
+def json_reply(obj: Any, status: int = 200) -> Reply:
+    return status, _JSON, _json_encode(obj)
 
 
 class Router:
@@ -102,12 +127,21 @@ class Router:
         self.pool.on_added.append(self._endpoint_added)
         self.pool.on_removed.append(self._endpoint_removed)
         self.metrics = RouterMetrics(lambda: (self.pool, self.index, self.subscriber))
-        self._session: aiohttp.ClientSession | None = None
-        self._upstream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=config.connect_timeout_s, sock_read=config.first_byte_timeout_s
-        )
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._runner: web.AppRunner | None = None
+        self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
+        self._origins: dict[str, Origin] = {}
+        self._server: HttpServer | None = None
+        self._pruner: asyncio.Task | None = None
+        self._routes: dict[tuple[str, str], Callable[[HttpRequest, HttpResponse], Awaitable]]
+        self._routes = {
+            ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("GET", "/v1/models"): self._simple(self.models),
+            ("GET", "/health"): self._simple(self.health),
+            ("GET", "/metrics"): self._simple(self.prometheus),
+            ("GET", "/router/state"): self._simple(self.state),
+        }
+        self._paths = {path for _, path in self._routes}
+        self._session_header = config.session_header.lower().encode("latin-1")
         self.port: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -123,71 +157,79 @@ class Router:
         self.index.remove_endpoint(ep.name)
         self.history.forget(ep.name)
         self.sessions.forget_endpoint(ep.name)
-
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.prometheus)
-        app.router.add_get("/router/state", self.state)
-        return app
+        origin = self._origins.pop(ep.url, None)
+        if origin is not None:
+            self.upstream.close_origin(origin)
 
     async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Start everything and listen; returns the bound port (``port=0``: a free one)."""
         self.subscriber.start()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
-        self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-        )
-        await self.pool.start(self._session)
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner,
+        await self.pool.start(self.upstream)
+        self._server = HttpServer(self._dispatch, error_reply, max_body_bytes=64 << 20)
+        self.port = await self._server.start(
             self.config.host if host is None else host,
             self.config.port if port is None else port,
-            reuse_address=True,
         )
-        await site.start()
-        sockets = site._server.sockets if site._server is not None else []  # noqa: SLF001
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        self._pruner = asyncio.get_running_loop().create_task(self._prune_idle())
         return self.port
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._pruner is not None:
+            self._pruner.cancel()
+            self._pruner = None
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
         await self.pool.stop()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.upstream.close()
         self.subscriber.close()
+
+    async def _prune_idle(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.upstream.prune()
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def _dispatch(self, req: HttpRequest, resp: HttpResponse) -> None:
+        handler = self._routes.get((req.method, req.path))
+        if handler is not None:
+            await handler(req, resp)
+        elif req.path in self._paths:
+            resp.send(*error_reply(405, f"method {req.method} not allowed on {req.path}"))
+        else:
+            resp.send(*error_reply(404, f"no route for {req.method} {req.path}", "not_found_error"))
+
+    @staticmethod
+    def _simple(fn: Callable[[], Reply]) -> Callable[[HttpRequest, HttpResponse], Awaitable]:
+        async def handle(req: HttpRequest, resp: HttpResponse) -> None:
+            resp.send(*fn())
+
+        return handle
 
     # ------------------------------------------------------------------ small handlers
 
-    async def models(self, request: web.Request) -> web.Response:
+    def models(self) -> Reply:
         cards: dict[str, dict] = {}
         for ep in self.pool.healthy():
             for card in ep.model_cards or [{"id": m, "object": "model"} for m in ep.models]:
                 cards.setdefault(str(card["id"]), card)
             for m in ep.models:
                 cards.setdefault(m, {"id": m, "object": "model", "owned_by": "kvserve"})
-        return web.json_response({"object": "list", "data": list(cards.values())})
+        return json_reply({"object": "list", "data": list(cards.values())})
 
-    async def health(self, request: web.Request) -> web.Response:
+    def health(self) -> Reply:
         n = len(self.pool.healthy())
-        return web.json_response(
+        return json_reply(
             {"status": "ok" if n else "unavailable", "healthy_endpoints": n},
             status=200 if n else 503,
         )
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    def prometheus(self) -> Reply:
         body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body
 
-    async def state(self, request: web.Request) -> web.Response:
+    def state(self) -> Reply:
         streams = self.subscriber.all_stats()
         eps = []
         for ep in self.pool.endpoints.values():
@@ -215,15 +257,15 @@ class Router:
                     },
                 }
             )
-        return web.json_response({"endpoints": eps, "kv_index_blocks": self.index.num_blocks})
+        return json_reply({"endpoints": eps, "kv_index_blocks": self.index.num_blocks})
 
     # ------------------------------------------------------------------ proxy
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, chat=False)
+    async def completions(self, req: HttpRequest, resp: HttpResponse) -> None:
+        await self._proxy(req, resp, chat=False)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, chat=True)
+    async def chat_completions(self, req: HttpRequest, resp: HttpResponse) -> None:
+        await self._proxy(req, resp, chat=True)
 
     async def _routing_request(
         self, body: dict[str, Any], chat: bool, session_id: str | None
@@ -248,46 +290,62 @@ class Router:
             return await asyncio.get_running_loop().run_in_executor(None, build)
         return build()
 
-    async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _proxy(self, request: HttpRequest, resp: HttpResponse, chat: bool) -> None:
         t0 = time.perf_counter()
-        raw = await request.read()
         try:
-            body = _json_decode(raw)
+            body = _json_decode(request.body)
         except (msgspec.DecodeError, UnicodeDecodeError):
             self.metrics.rejected_of(400).inc()
-            return _error(400, "request body is not valid JSON")
+            resp.send(*error_reply(400, "request body is not valid JSON"))
+            return
         if not isinstance(body, dict):
             self.metrics.rejected_of(400).inc()
-            return _error(400, "request body must be a JSON object")
-        session_id = request.headers.get(self.config.session_header)
+            resp.send(*error_reply(400, "request body must be a JSON object"))
+            return
+        session_id = request.header(self._session_header)
         try:
             req = await self._routing_request(body, chat, session_id)
             decision = self.scheduler.schedule(req, list(self.pool.endpoints.values()))
         except BadRequestError as e:
             self.metrics.rejected_of(400).inc()
-            return _error(400, str(e))
+            resp.send(*error_reply(400, str(e)))
+            return
         except NoEndpointError as e:
             self.metrics.rejected_of(e.status).inc()
             kind = "not_found_error" if e.status == 404 else "service_unavailable"
-            return _error(e.status, e.message, kind)
-        self.metrics.routing_time.observe(time.perf_counter() - t0)
-        return await self._forward(request, raw, req, decision)
+            resp.send(*error_reply(e.status, e.message, kind))
+            return
+        await self._forward(request, resp, req, decision, time.perf_counter() - t0)
 
     async def _forward(
-        self, request: web.Request, raw: bytes, req: RoutingRequest, decision: Decision
-    ) -> web.StreamResponse:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        self,
+        request: HttpRequest,
+        resp: HttpResponse,
+        req: RoutingRequest,
+        decision: Decision,
+        routing_s: float,
+    ) -> None:
+        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
         attempts = decision.ranked[: self.config.max_attempts]
         last_error = "no endpoint tried"
+        metrics = self.metrics
         for i, ep in enumerate(attempts):
             if i > 0 and not ep.healthy:
                 continue
             ep.in_flight += 1
+
+            def sent(ep: Endpoint = ep, first: bool = i == 0) -> None:
+                # While the endpoint works: bookkeeping off the critical path. The routing
+                # history learns where the prefix went as soon as it is on its way there.
+                self.scheduler.observe(req, ep)
+                if first:
+                    metrics.routing_time.observe(routing_s)
+
             try:
                 t_send = time.perf_counter()
                 try:
                     upstream = await self._send(
-                        ep, request.path, raw, headers, last=i == len(attempts) - 1
+                        ep, request, headers, last=i == len(attempts) - 1, on_sent=sent
                     )
                 except UpstreamFailed as e:
                     last_error = f"{ep.name}: {e}"
@@ -296,84 +354,85 @@ class Router:
                         self.pool.mark_failed(ep, str(e))
                     logger.info("attempt %d on %s failed (%s); failing over", i + 1, ep.name, e)
                     continue
+                t_first = time.perf_counter()
                 ep.answered_at = time.monotonic()
-                metrics = self.metrics
-                metrics.first_byte_of(ep.name).observe(time.perf_counter() - t_send)
-                metrics.decisions_of(decision.reason if i == 0 else "failover").inc()
-                self.scheduler.observe(req, ep)
                 try:
-                    return await self._relay(request, upstream, ep)
+                    await self._relay(resp, upstream, ep)
+                    return
                 finally:
+                    metrics.first_byte_of(ep.name).observe(t_first - t_send)
+                    metrics.decisions_of(decision.reason if i == 0 else "failover").inc()
                     metrics.latency_of(ep.name).observe(time.perf_counter() - t_send)
                     metrics.requests_of(ep.name, upstream.status).inc()
             finally:
                 ep.in_flight -= 1
         self.metrics.rejected_of(502).inc()
-        return _error(502, f"all endpoints failed ({last_error})", "bad_gateway")
+        resp.send(*error_reply(502, f"all endpoints failed ({last_error})", "bad_gateway"))
 
-    def _upstream_url(self, base: str, path: str) -> URL:
-        """The parsed URL of ``path`` on an endpoint (parsing a URL per request is costly)."""
-        url = self._urls.get((base, path))
-        if url is None:
-            if len(self._urls) > 4096:  # endpoints come and go; never grow without bound
-                self._urls.clear()
-            url = self._urls[(base, path)] = URL(base + path)
-        return url
+    def _origin(self, url: str) -> Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = Origin.from_url(url)
+        return origin
 
     async def _send(
-        self, ep: Endpoint, path: str, raw: bytes, headers: dict[str, str], last: bool
-    ) -> aiohttp.ClientResponse:
-        assert self._session is not None
+        self,
+        ep: Endpoint,
+        request: HttpRequest,
+        headers: list[tuple[bytes, bytes]],
+        last: bool,
+        on_sent: Callable[[], None],
+    ) -> UpstreamResponse:
         try:
-            upstream = await self._session.post(
-                self._upstream_url(ep.url, path),
-                data=raw,
-                headers=headers,
-                timeout=self._upstream_timeout,
-                allow_redirects=False,
+            upstream = await self.upstream.request(
+                self._origin(ep.url),
+                "POST",
+                request.path,
+                headers,
+                request.body,
+                first_byte_timeout_s=self.config.first_byte_timeout_s,
+                on_sent=on_sent,
             )
-        except aiohttp.ClientConnectorError as e:
+        except UpstreamConnectError as e:
             raise UpstreamFailed("connect", str(e), endpoint_down=True) from None
-        except TimeoutError:
+        except UpstreamTimeout:
             raise UpstreamFailed("timeout", "no response headers in time", False) from None
-        except (aiohttp.ClientError, OSError) as e:
-            # e.g. the server closed a kept-alive connection or died mid-request.
+        except (UpstreamDisconnected, OSError) as e:
+            # e.g. the engine died mid-request.
             raise UpstreamFailed("disconnect", f"{type(e).__name__}: {e}", True) from None
         if upstream.status >= 500 and not last:
-            upstream.release()
+            upstream.close()
             raise UpstreamFailed(f"http_{upstream.status}", f"HTTP {upstream.status}", False)
         return upstream
 
-    async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, ep: Endpoint
-    ) -> web.StreamResponse:
-        out_headers = {
-            k: upstream.headers[k] for k in _KEEP_RESPONSE_HEADERS if k in upstream.headers
-        }
-        out_headers[ENDPOINT_HEADER] = ep.name
+    async def _relay(self, resp: HttpResponse, upstream: UpstreamResponse, ep: Endpoint) -> None:
+        out_headers = [(k, v) for k, v in upstream.headers if k.lower() in _KEEP_RESPONSE_HEADERS]
+        out_headers.append((_ENDPOINT_HEADER_B, ep.name.encode("latin-1")))
+        timeout = self.config.first_byte_timeout_s
         done = False
-        resp: web.StreamResponse | None = None
         try:
-            ctype = upstream.headers.get("content-type", "")
-            if upstream.content_length is not None and not ctype.startswith("text/event-stream"):
-                data = await upstream.read()
+            if upstream.content_length is not None and not upstream.content_type.startswith(
+                "text/event-stream"
+            ):
+                if upstream.complete:  # the usual case: it all came with the headers
+                    data = upstream.take_buffered()
+                else:
+                    data = await upstream.read(timeout)
                 done = True
-                return web.Response(body=data, status=upstream.status, headers=out_headers)
-            resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-            await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
+                resp.send(upstream.status, out_headers, data)
+                return
+            resp.start(upstream.status, out_headers)
+            while (piece := await upstream.next_piece(timeout)) is not None:
+                await resp.write(piece)
+            resp.end()
             done = True
-            return resp
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except UpstreamError as e:
             # The endpoint failed after answering: too late to retry elsewhere.
             logger.warning("upstream %s failed mid-response: %s", ep.name, e)
-            if resp is None:
-                return _error(502, f"{ep.name} failed mid-response: {e}", "bad_gateway")
-            if request.transport is not None:
-                request.transport.close()  # the client sees a truncated stream, not success
-            return resp
+            if not resp.started:
+                resp.send(*error_reply(502, f"{ep.name} failed mid-response: {e}", "bad_gateway"))
+            else:
+                resp.abort()  # the client sees a truncated stream, not success
         finally:
             if done:
                 upstream.release()
@@ -385,6 +444,9 @@ class Router:
 
 async def serve_forever(router: Router) -> None:
     await router.start()
+    # What exists now lives as long as the process: keep it out of every garbage collection.
+    gc.collect()
+    gc.freeze()
     logger.warning("kvserve route listening on http://%s:%s", router.config.host, router.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

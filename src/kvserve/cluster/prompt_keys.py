@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -23,8 +24,11 @@ from kvserve.engine.hashing import (
     DEFAULT_PREFIX_HASH_SEED,
     encode_tokens,
     hash_block_tokens,
+    hash_encoded_blocks,
     seed_hash,
 )
+
+_LITTLE = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def cacheable_tokens(token_ids: Sequence[int]) -> Sequence[int]:
@@ -93,13 +97,16 @@ class PromptKeyCache:
             return prompt_block_keys(
                 token_ids, block_size, seed=seed, cache_salt=cache_salt, lora_name=lora_name
             )
-        tokens = cacheable_tokens(token_ids)
-        n_full = len(tokens) // block_size
-        if n_full == 0:
+        n_full = (len(token_ids) - 1) // block_size  # cacheable: all but the last token
+        if n_full <= 0:
             return []
-        data = encode_tokens(tokens)
-        stride = 4 * block_size * self.chunk_blocks
-        end = 4 * block_size * n_full
+        if isinstance(token_ids, array) and token_ids.typecode == "I" and _LITTLE:
+            data = token_ids.tobytes()  # the router's form of a prompt: one memcpy
+        else:
+            data = encode_tokens(token_ids)
+        block_bytes = 4 * block_size
+        stride = block_bytes * self.chunk_blocks
+        end = block_bytes * n_full
         parent = seed_hash(seed)
         keys: list[int] = []
         memo, lock = self._memo, self._lock
@@ -112,13 +119,7 @@ class PromptKeyCache:
                     memo.move_to_end(memo_key)
                     self.hits += 1
             if hit is None:
-                hashes = hash_block_tokens(
-                    array("I", chunk),
-                    block_size,
-                    parent=parent,
-                    seed=seed,
-                    start_block=off // (4 * block_size),
-                )
+                hashes = hash_encoded_blocks(parent, chunk, block_bytes)
                 hit = (hashes[-1], hash_keys(hashes))
                 with lock:
                     memo[memo_key] = hit

@@ -98,9 +98,18 @@ def hash_block_tokens(
             parent = hash_block(parent, data[i * stride : (i + 1) * stride], extra)
             out.append(parent)
         return out
+    return hash_encoded_blocks(parent, data[: n_full * stride], stride)
+
+
+def hash_encoded_blocks(parent: BlockHash, data: bytes, stride: int) -> list[BlockHash]:
+    """Chained hashes of the ``stride``-byte blocks of already encoded tokens (no extra keys).
+
+    The hot path: the router hashes every prompt through here.
+    """
     sha = hashlib.sha256
+    out: list[BlockHash] = []
     append = out.append
-    for i in range(0, n_full * stride, stride):  # hot path: the router hashes every prompt
+    for i in range(0, len(data) - stride + 1, stride):
         parent = sha(parent + data[i : i + stride]).digest()
         append(parent)
     return out
