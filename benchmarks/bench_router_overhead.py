@@ -8,10 +8,13 @@ KV utilization) sits in front of them. This process sends open-loop Poisson traf
 `/v1/completions` requests (1,024-token prompts given as token ids: one of 8 shared 768-token
 system prompts + a 256-token tail unique to the request, so the router hashes 63 blocks,
 its routing history has hits and its prompt-chunk memo hits the system prompt only) and, in the
-same run, the same traffic straight to the backends. Phases alternate direct / routed
-(``--blocks`` blocks of ``--block-s`` seconds each per rate) so both see the same machine;
-the overhead is routed minus direct, percentile by percentile. The router's CPU time per
-request (from /proc) is reported too: unlike latency it does not depend on what else runs.
+same run, the same traffic straight to the backends and through a bare proxy: the router's own
+HTTP layer (kvserve.cluster.http_server + upstream) forwarding round robin without parsing or
+routing, i.e. the cost of the extra hop alone. Phases rotate direct / bare / routed
+(``--blocks`` blocks of ``--block-s`` seconds each per rate) so all see the same machine;
+the overhead is routed minus direct, percentile by percentile (bare minus direct: the hop;
+routed minus bare: routing). The router's CPU time per request (from /proc) is reported too:
+unlike latency it does not depend on what else runs.
 
     .venv/bin/python benchmarks/bench_router_overhead.py          # ~1.5 minutes
 """
@@ -86,6 +89,35 @@ async def serve_backends(n: int) -> None:
         await site.start()
         ports.append(site._server.sockets[0].getsockname()[1])
     print(json.dumps({"ports": ports}), flush=True)
+    await asyncio.Event().wait()
+
+
+async def serve_bare_proxy(port: int, backends: list[str]) -> None:
+    """The hop alone: the router's HTTP layer forwarding round robin, nothing parsed."""
+    from kvserve.cluster.gateway import error_reply
+    from kvserve.cluster.http_server import HttpRequest, HttpResponse, HttpServer
+    from kvserve.cluster.upstream import Origin, UpstreamPool
+
+    pool = UpstreamPool()
+    origins = [Origin.from_url(b) for b in backends]
+    counter = 0
+
+    async def forward(req: HttpRequest, resp: HttpResponse) -> None:
+        nonlocal counter
+        counter += 1
+        up = await pool.request(
+            origins[counter % len(origins)],
+            req.method,
+            req.path,
+            [(k, v) for k, v in req.headers if k.lower() not in (b"host", b"content-length")],
+            req.body,
+            first_byte_timeout_s=60,
+        )
+        data = up.take_buffered() if up.complete else await up.read(60)
+        resp.send(up.status, [(b"content-type", b"application/json")], data)
+        up.release()
+
+    await HttpServer(forward, error_reply).start("127.0.0.1", port)
     await asyncio.Event().wait()
 
 
@@ -171,70 +203,102 @@ async def routing_seconds(session: aiohttp.ClientSession, router: str) -> tuple[
     return total, count
 
 
-async def measure(args: argparse.Namespace, backends: list[str], router: str, pid: int) -> list:
+async def measure(
+    args: argparse.Namespace, backends: list[str], router: str, bare: str, pid: int
+) -> list:
     rows = []
     conn = aiohttp.TCPConnector(limit=0)
+    urls_of = {
+        "direct": [b + "/v1/completions" for b in backends],
+        "bare": [bare + "/v1/completions"],
+        "routed": [router + "/v1/completions"],
+    }
     async with aiohttp.ClientSession(connector=conn) as s:
-        warm = [router + "/v1/completions"]
-        await run_phase(s, warm, 100, 2.0, seed=99)  # warm up connections, caches
-        await run_phase(s, [b + "/v1/completions" for b in backends], 100, 1.0, seed=98)
+        for kind, urls in urls_of.items():  # warm up connections, caches
+            await run_phase(s, urls, 100, 2.0 if kind == "routed" else 1.0, seed=99)
         for rate in args.rates:
-            direct: list[float] = []
-            routed: list[float] = []
-            errors = {"direct": 0, "routed": 0}
+            lat: dict[str, list[float]] = {k: [] for k in urls_of}
+            errors = dict.fromkeys(urls_of, 0)
             cpu_user = cpu_sys = 0.0
             n_routed = 0
             rs0 = await routing_seconds(s, router)
             for k in range(args.blocks):
-                for kind in ("direct", "routed"):
-                    urls = (
-                        [b + "/v1/completions" for b in backends]
-                        if kind == "direct"
-                        else [router + "/v1/completions"]
-                    )
+                for kind, urls in urls_of.items():
                     c0 = proc_cpu_s(pid)
-                    lat, err = await run_phase(s, urls, rate, args.block_s, seed=1000 * k)
+                    got, err = await run_phase(s, urls, rate, args.block_s, seed=1000 * k)
                     if kind == "routed":
                         c1 = proc_cpu_s(pid)
                         cpu_user += c1[0] - c0[0]
                         cpu_sys += c1[1] - c0[1]
-                        n_routed += len(lat) + err
-                    (direct if kind == "direct" else routed).extend(lat)
+                        n_routed += len(got) + err
+                    lat[kind].extend(got)
                     errors[kind] += err
             rs1 = await routing_seconds(s, router)
-            row = {
-                "rate": rate,
-                "requests_direct": len(direct),
-                "requests_routed": len(routed),
-                "errors": errors,
-                "direct_p50_ms": pct(direct, 0.5),
-                "direct_p99_ms": pct(direct, 0.99),
-                "routed_p50_ms": pct(routed, 0.5),
-                "routed_p99_ms": pct(routed, 0.99),
-                "overhead_p50_ms": pct(routed, 0.5) - pct(direct, 0.5),
-                "overhead_p99_ms": pct(routed, 0.99) - pct(direct, 0.99),
-                "router_cpu_ms_per_request": 1e3 * (cpu_user + cpu_sys) / max(n_routed, 1),
-                "router_user_cpu_ms_per_request": 1e3 * cpu_user / max(n_routed, 1),
-                "router_sys_cpu_ms_per_request": 1e3 * cpu_sys / max(n_routed, 1),
-                "router_routing_ms_mean": 1e3 * (rs1[0] - rs0[0]) / max(rs1[1] - rs0[1], 1),
-                "loadavg_1m": os.getloadavg()[0],
-            }
+            row: dict = {"rate": rate, "errors": errors}
+            for kind, xs in lat.items():
+                row[f"requests_{kind}"] = len(xs)
+                row[f"{kind}_p50_ms"] = pct(xs, 0.5)
+                row[f"{kind}_p99_ms"] = pct(xs, 0.99)
+            for q in ("p50", "p99"):
+                row[f"overhead_{q}_ms"] = row[f"routed_{q}_ms"] - row[f"direct_{q}_ms"]
+                row[f"hop_{q}_ms"] = row[f"bare_{q}_ms"] - row[f"direct_{q}_ms"]
+            row.update(
+                {
+                    "router_cpu_ms_per_request": 1e3 * (cpu_user + cpu_sys) / max(n_routed, 1),
+                    "router_user_cpu_ms_per_request": 1e3 * cpu_user / max(n_routed, 1),
+                    "router_sys_cpu_ms_per_request": 1e3 * cpu_sys / max(n_routed, 1),
+                    "router_routing_ms_mean": 1e3 * (rs1[0] - rs0[0]) / max(rs1[1] - rs0[1], 1),
+                    "loadavg_1m": os.getloadavg()[0],
+                }
+            )
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, what: str) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers HTTP
+        except OSError:
+            pass
+        if time.time() > deadline or proc.poll() is not None:
+            raise SystemExit(f"{what} did not come up")
+        time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[50, 200, 500])
-    ap.add_argument("--blocks", type=int, default=2, help="direct/routed block pairs per rate")
+    ap.add_argument("--blocks", type=int, default=3, help="direct/bare/routed rounds per rate")
     ap.add_argument("--block-s", type=float, default=4.0)
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--serve-backends", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-bare-proxy", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pin the load generator and backends to CPU 0 and the proxies to CPU 1 "
+        "(a router deployed on a core of its own)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "router_overhead"))
     args = ap.parse_args()
     if args.serve_backends:
         asyncio.run(serve_backends(args.serve_backends))
+        return
+    if args.serve_bare_proxy:
+        import uvloop
+
+        port, *backends = args.serve_bare_proxy
+        uvloop.run(serve_bare_proxy(int(port), backends))
         return
 
     backend_proc = subprocess.Popen(
@@ -242,32 +306,34 @@ def main() -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
-    router_proc = None
+    router_proc = bare_proc = None
     try:
         ports = json.loads(backend_proc.stdout.readline())["ports"]
         backends = [f"http://127.0.0.1:{p}" for p in ports]
-        rport = free_port()
+        rport, bport = free_port(), free_port()
         cmd = [sys.executable, "-m", "kvserve.cli", "route", "--port", str(rport)]
         for b in backends:
             cmd += ["--endpoint", f"{b},model={MODEL}"]
         router_proc = subprocess.Popen(cmd)
+        bare_proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-bare-proxy", str(bport), *backends]
+        )
         router = f"http://127.0.0.1:{rport}"
-        deadline = time.time() + 60
-        import urllib.request
-
-        while True:
-            try:
-                with urllib.request.urlopen(router + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline or router_proc.poll() is not None:
-                raise SystemExit("router did not come up")
-            time.sleep(0.2)
-        rows = asyncio.run(measure(args, backends, router, router_proc.pid))
+        bare = f"http://127.0.0.1:{bport}"
+        wait_healthy(router + "/health", router_proc, "router")
+        wait_healthy(bare + "/health", bare_proc, "bare proxy")
+        if args.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs 2 CPUs")
+            for p in (0, backend_proc.pid):
+                os.sched_setaffinity(p, {cpus[0]})
+            for p in (router_proc.pid, bare_proc.pid):
+                for tid in os.listdir(f"/proc/{p}/task"):  # every thread of the proxy
+                    os.sched_setaffinity(int(tid), {cpus[1]})
+        rows = asyncio.run(measure(args, backends, router, bare, router_proc.pid))
     finally:
-        for p in (router_proc, backend_proc):
+        for p in (router_proc, bare_proc, backend_proc):
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
@@ -298,15 +364,19 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
-        "| req/s | n direct / routed | direct p50 / p99 ms | routed p50 / p99 ms | "
-        "**overhead p50 / p99 ms** | router CPU ms/req | routing ms (mean) | errors | load |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| req/s | n per arm | direct p50 / p99 ms | bare proxy p50 / p99 ms | "
+        "routed p50 / p99 ms | hop (bare - direct) p50 / p99 ms | "
+        "**overhead (routed - direct) p50 / p99 ms** | router CPU ms/req | "
+        "routing ms (mean) | errors | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['rate']:.0f} | {r['requests_direct']} / {r['requests_routed']} | "
+            f"| {r['rate']:.0f} | {r['requests_routed']} | "
             f"{r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
+            f"{r['bare_p50_ms']:.2f} / {r['bare_p99_ms']:.2f} | "
             f"{r['routed_p50_ms']:.2f} / {r['routed_p99_ms']:.2f} | "
+            f"{r['hop_p50_ms']:.2f} / {r['hop_p99_ms']:.2f} | "
             f"**{r['overhead_p50_ms']:.2f} / {r['overhead_p99_ms']:.2f}** | "
             f"{r['router_cpu_ms_per_request']:.2f} | {r['router_routing_ms_mean']:.3f} | "
             f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
@@ -342,9 +412,10 @@ nproc: {os.cpu_count()}
 
 ## Results
 {args.backends} fake backends, 1,024-token token-id prompts, open-loop Poisson arrivals,
-{args.blocks} x {args.block_s:.0f} s direct and {args.blocks} x {args.block_s:.0f} s routed per
-rate, interleaved. Overhead = routed - direct at the same percentile. "load" is the machine's
-1-minute load average (2 cores; other work was running).
+{args.blocks} rounds of {args.block_s:.0f} s direct, {args.block_s:.0f} s through a bare proxy
+and {args.block_s:.0f} s routed per rate, interleaved. Overhead = routed - direct at the same
+percentile; "hop" = bare proxy - direct: what one more loopback HTTP hop costs with the router's
+HTTP layer and no routing. "load" is the machine's 1-minute load average (2 cores).
 
 {chr(10).join(lines)}
 

@@ -5,7 +5,9 @@ request on the endpoint's replay socket (DEALER -> ROUTER, specs/kv-events.md); 
 are held back until the replay ends so the index sees every stream in publish order. A seq
 going backwards on the live stream means the publisher restarted: its endpoint is cleared.
 Runs on one background thread (sockets are owned by it); endpoints are added and removed
-through a command queue.
+through a command queue whose wake-up pipe sits in the same poll as the sockets, so the
+thread sleeps until a message, a command or a replay deadline: an idle subscriber never
+takes the GIL from the router's event loop.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -73,13 +76,11 @@ class EventSubscriber:
         *,
         replay_timeout: float = 2.0,
         on_batch: BatchHook | None = None,
-        poll_interval: float = 0.02,
         recv_hwm: int = 100_000,
     ) -> None:
         self.index = index
         self.replay_timeout = replay_timeout
         self.on_batch = on_batch
-        self.poll_interval = poll_interval
         self.recv_hwm = recv_hwm
         self._ctx = zmq.Context.instance()
         self._commands: queue.Queue = queue.Queue()
@@ -89,6 +90,9 @@ class EventSubscriber:
         self._thread: threading.Thread | None = None
         self._cond = threading.Condition()
         self._poller = zmq.Poller()  # used by the subscriber thread only
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     # ------------------------------------------------------------------ control (any thread)
 
@@ -103,16 +107,30 @@ class EventSubscriber:
     ) -> None:
         """Subscribe to ``address`` (e.g. ``tcp://10.0.0.1:5557``) for endpoint ``name``."""
         self._commands.put(("add", name, address, replay_address, topic))
+        self._wake()
 
     def remove_endpoint(self, name: str) -> None:
         """Unsubscribe and drop the endpoint from the index."""
         self._commands.put(("remove", name))
+        self._wake()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(5)
+            if self._thread.is_alive():
+                return  # stuck: leave its pipe open rather than have it poll a reused fd
             self._thread = None
+        if self._wake_w >= 0:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):  # a full pipe wakes it already
+                os.write(self._wake_w, b"\0")
 
     def stats(self, name: str) -> StreamStats | None:
         s = self._stats.get(name)
@@ -142,11 +160,10 @@ class EventSubscriber:
             while not self._stop.is_set():
                 if self._do_commands():
                     continue
-                if not self._streams:  # nothing to poll (zmq would return at once): wait
-                    with contextlib.suppress(queue.Empty):
-                        self._do_command(self._commands.get(timeout=self.poll_interval))
-                    continue
-                events = dict(poller.poll(self.poll_interval * 1000))
+                events = dict(poller.poll(self._poll_timeout_ms()))
+                if events.get(self._wake_r):
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
                 for st in list(self._streams.values()):
                     if st.dealer is not None and events.get(st.dealer):
                         self._drain_replay(st)
@@ -165,6 +182,13 @@ class EventSubscriber:
                 if st.dealer is not None:
                     st.dealer.close(linger=0)
             self._streams.clear()
+
+    def _poll_timeout_ms(self) -> int | None:
+        """Until the nearest replay deadline; ``None`` (no timeout) when none is pending."""
+        deadlines = [st.replay_deadline for st in self._streams.values() if st.replaying]
+        if not deadlines:
+            return None
+        return max(1, int(1000 * (min(deadlines) - time.monotonic())) + 1)
 
     def _do_commands(self) -> bool:
         did = False
