@@ -40,6 +40,14 @@ from kvserve.bench.machine import describe_machine, machine_markdown
 from kvserve.cluster.config import default_scorers
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PIN_NOTE = (
+    "CPU pinning: load generator and fake backends on CPU 0, the router (and the bare proxy) "
+    "on CPU 1, i.e. the router on a core of its own, as a deployment would give it."
+)
+SHARED_NOTE = (
+    "No CPU pinning: load generator, fake backends and router share both cores; each "
+    "process's wake-ups wait for the others."
+)
 MODEL = "bench-model"
 
 
@@ -204,7 +212,12 @@ async def routing_seconds(session: aiohttp.ClientSession, router: str) -> tuple[
 
 
 async def measure(
-    args: argparse.Namespace, backends: list[str], router: str, bare: str, pid: int
+    args: argparse.Namespace,
+    backends: list[str],
+    router: str,
+    bare: str,
+    pid: int,
+    bare_pid: int,
 ) -> list:
     rows = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -219,18 +232,21 @@ async def measure(
         for rate in args.rates:
             lat: dict[str, list[float]] = {k: [] for k in urls_of}
             errors = dict.fromkeys(urls_of, 0)
-            cpu_user = cpu_sys = 0.0
-            n_routed = 0
+            cpu_user = cpu_sys = bare_cpu = 0.0
+            n_routed = n_bare = 0
             rs0 = await routing_seconds(s, router)
             for k in range(args.blocks):
                 for kind, urls in urls_of.items():
-                    c0 = proc_cpu_s(pid)
+                    c0, b0 = proc_cpu_s(pid), proc_cpu_s(bare_pid)
                     got, err = await run_phase(s, urls, rate, args.block_s, seed=1000 * k)
                     if kind == "routed":
                         c1 = proc_cpu_s(pid)
                         cpu_user += c1[0] - c0[0]
                         cpu_sys += c1[1] - c0[1]
                         n_routed += len(got) + err
+                    elif kind == "bare":
+                        bare_cpu += sum(proc_cpu_s(bare_pid)) - sum(b0)
+                        n_bare += len(got) + err
                     lat[kind].extend(got)
                     errors[kind] += err
             rs1 = await routing_seconds(s, router)
@@ -247,6 +263,7 @@ async def measure(
                     "router_cpu_ms_per_request": 1e3 * (cpu_user + cpu_sys) / max(n_routed, 1),
                     "router_user_cpu_ms_per_request": 1e3 * cpu_user / max(n_routed, 1),
                     "router_sys_cpu_ms_per_request": 1e3 * cpu_sys / max(n_routed, 1),
+                    "bare_proxy_cpu_ms_per_request": 1e3 * bare_cpu / max(n_bare, 1),
                     "router_routing_ms_mean": 1e3 * (rs1[0] - rs0[0]) / max(rs1[1] - rs0[1], 1),
                     "loadavg_1m": os.getloadavg()[0],
                 }
@@ -331,7 +348,7 @@ def main() -> None:
             for p in (router_proc.pid, bare_proc.pid):
                 for tid in os.listdir(f"/proc/{p}/task"):  # every thread of the proxy
                     os.sched_setaffinity(int(tid), {cpus[1]})
-        rows = asyncio.run(measure(args, backends, router, bare, router_proc.pid))
+        rows = asyncio.run(measure(args, backends, router, bare, router_proc.pid, bare_proc.pid))
     finally:
         for p in (router_proc, bare_proc, backend_proc):
             if p is not None and p.poll() is None:
@@ -353,6 +370,7 @@ def main() -> None:
             "blocks": args.blocks,
             "block_s": args.block_s,
             "prompt_tokens": 1024,
+            "pinned": args.pin,
             "scheduler": "default ("
             + ", ".join(f"{x.name} {x.weight:g}" for x in default_scorers())
             + ")",
@@ -366,7 +384,7 @@ def main() -> None:
     lines = [
         "| req/s | n per arm | direct p50 / p99 ms | bare proxy p50 / p99 ms | "
         "routed p50 / p99 ms | hop (bare - direct) p50 / p99 ms | "
-        "**overhead (routed - direct) p50 / p99 ms** | router CPU ms/req | "
+        "**overhead (routed - direct) p50 / p99 ms** | CPU ms/req bare / router | "
         "routing ms (mean) | errors | load |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -378,7 +396,8 @@ def main() -> None:
             f"{r['routed_p50_ms']:.2f} / {r['routed_p99_ms']:.2f} | "
             f"{r['hop_p50_ms']:.2f} / {r['hop_p99_ms']:.2f} | "
             f"**{r['overhead_p50_ms']:.2f} / {r['overhead_p99_ms']:.2f}** | "
-            f"{r['router_cpu_ms_per_request']:.2f} | {r['router_routing_ms_mean']:.3f} | "
+            f"{r['bare_proxy_cpu_ms_per_request']:.2f} / {r['router_cpu_ms_per_request']:.2f} | "
+            f"{r['router_routing_ms_mean']:.3f} | "
             f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
         )
     lscpu_text = "\n".join(lscpu)
@@ -400,8 +419,9 @@ def main() -> None:
         )
     md = f"""# Router overhead (`kvserve route` vs direct)
 
-`.venv/bin/python benchmarks/bench_router_overhead.py` ({time.strftime("%Y-%m-%d")}).
-Goal: added latency p50 <= 1 ms and p99 <= 5 ms at 200 req/s.
+`.venv/bin/python benchmarks/bench_router_overhead.py{" --pin" if args.pin else ""}` \
+({time.strftime("%Y-%m-%d")}). Goal: added latency p50 <= 1 ms and p99 <= 5 ms at 200 req/s.
+{PIN_NOTE if args.pin else SHARED_NOTE}
 
 ## Machine
 {machine_markdown(machine)}

@@ -3,7 +3,8 @@
 Owns the choice among scored candidates. The first endpoint is the pick; the rest are the
 failover order (best score first). ``max_score`` breaks ties at random; ``weighted_random``
 draws the pick with probability proportional to score; ``random`` and ``round_robin``
-ignore scores (baselines).
+ignore scores (baselines). The pick is the only position where a tie-break matters, so only the
+best's ties are drawn (one random number per decision, on every request's path).
 """
 
 from __future__ import annotations
@@ -23,9 +24,17 @@ class Picker(Protocol):
 
 
 def _by_score(scores: list[float], rng: random.Random, exclude: int | None = None) -> list[int]:
+    """Indices by score, best first; the pick is drawn at random among the best's ties."""
     order = [i for i in range(len(scores)) if i != exclude]
-    rng.shuffle(order)  # random tie-break: the sort below is stable
-    order.sort(key=lambda i: -scores[i])
+    order.sort(key=scores.__getitem__, reverse=True)  # stable: ties below stay in index order
+    if len(order) > 1:
+        best = scores[order[0]]
+        ties = 1
+        while ties < len(order) and scores[order[ties]] == best:
+            ties += 1
+        if ties > 1:
+            j = rng.randrange(ties)
+            order[0], order[j] = order[j], order[0]
     return order
 
 
