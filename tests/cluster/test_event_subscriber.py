@@ -3,10 +3,12 @@ gap -> replay, late join, lost batches, publisher restart, endpoint removal."""
 
 from __future__ import annotations
 
+import errno
 import random
 import time
 
 import pytest
+import zmq
 
 from kvserve.cluster.event_subscriber import EventSubscriber
 from kvserve.cluster.kv_index import KVIndex
@@ -75,6 +77,18 @@ def subscriber():
     sub = EventSubscriber(KVIndex(), replay_timeout=3.0, recv_hwm=2).start()
     yield sub
     sub.close()
+
+
+def rebind(address: str, replay: str) -> ZmqEventPublisher:
+    """A new publisher on the addresses of one just closed (zmq frees ports asynchronously)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return ZmqEventPublisher(address, replay)
+        except zmq.ZMQError as e:
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def wait(pred, timeout: float = 10.0) -> bool:
@@ -191,7 +205,7 @@ def test_publisher_restart_clears_the_endpoint(subscriber: EventSubscriber) -> N
     pub.close()
     time.sleep(0.2)
     eng2 = Engine(6)
-    with ZmqEventPublisher(address, replay) as pub2:  # same addresses, seq from 0 again
+    with rebind(address, replay) as pub2:  # same addresses, seq from 0 again
         assert wait(
             lambda: (
                 (publish(pub2, eng2.stored_batch()) or True) and subscriber.stats("e").restarts >= 1
@@ -233,8 +247,39 @@ def test_restarted_publisher_past_our_seq_is_detected_by_replay(
     last = subscriber.stats("e").last_seq
     pub.close()
     eng2 = Engine(9)
-    with ZmqEventPublisher(address, replay) as pub2:
+    with rebind(address, replay) as pub2:
         for _ in range(last + 20):  # before the subscriber can have reconnected
+            publish(pub2, eng2.stored_batch())
+        assert pub2.flush()
+        assert wait(
+            lambda: (
+                (publish(pub2, eng2.stored_batch()) or pub2.flush())
+                and subscriber.stats("e").restarts >= 1
+            ),
+            timeout=15,
+        )
+        assert pub2.flush()
+        assert subscriber.wait_for_seq("e", pub2.next_seq - 1)
+        keys = subscriber.index.endpoint_keys("e")
+        assert not keys & old
+        assert keys == eng2.oracle()
+
+
+def test_restarted_publisher_exactly_one_past_our_seq_is_detected(
+    subscriber: EventSubscriber,
+) -> None:
+    """The new publisher's first batch we see is exactly our seq + 1: no gap, no seq going
+    back. The SUB socket's reconnect is what gives it away (checked by replay)."""
+    eng = Engine(10)
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    address, replay = pub.endpoint, pub.replay_endpoint
+    connect(subscriber, pub, eng)
+    old = subscriber.index.endpoint_keys("e")
+    last = subscriber.stats("e").last_seq
+    pub.close()
+    eng2 = Engine(11)
+    with rebind(address, replay) as pub2:
+        for _ in range(last + 1):  # seqs 0..last: sent before the subscriber reconnects
             publish(pub2, eng2.stored_batch())
         assert pub2.flush()
         assert wait(

@@ -4,6 +4,10 @@ Owns the sockets and per-stream sequence tracking. A jump in ``seq`` triggers a 
 request on the endpoint's replay socket (DEALER -> ROUTER, specs/kv-events.md); live batches
 are held back until the replay ends so the index sees every stream in publish order. A seq
 going backwards on the live stream means the publisher restarted: its endpoint is cleared.
+A restarted publisher can also come back exactly one past our seq (we reconnect after it
+published as many batches as the old one did): so after every reconnect of the SUB socket
+(seen on its monitor socket) the first live batch is checked like a gap, by replaying our
+last applied batch and comparing bytes.
 Runs on one background thread (sockets are owned by it); endpoints are added and removed
 through a command queue whose wake-up pipe sits in the same poll as the sockets, so the
 thread sleeps until a message, a command or a replay deadline: an idle subscriber never
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvserve.cluster.kv_index import KVIndex
 from kvserve.kv.event_publisher import END_SEQ, pack_seq, unpack_seq
@@ -57,6 +62,9 @@ class _Stream:
     replay_address: str | None
     topic: bytes
     sub: zmq.Socket
+    monitor: zmq.Socket | None = None  # connect/disconnect events of ``sub``
+    connections: int = 0  # times ``sub`` connected to the publisher
+    verify_next: bool = False  # reconnected: check continuity at the next live batch
     dealer: zmq.Socket | None = None
     replaying: bool = False
     last_live_seq: int = -1  # last seq received on the SUB socket
@@ -165,6 +173,8 @@ class EventSubscriber:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
                 for st in list(self._streams.values()):
+                    if st.monitor is not None and events.get(st.monitor):
+                        self._drain_monitor(st)
                     if st.dealer is not None and events.get(st.dealer):
                         self._drain_replay(st)
                     if events.get(st.sub):
@@ -178,6 +188,8 @@ class EventSubscriber:
                         self._close_dealer(st)
         finally:
             for st in self._streams.values():
+                if st.monitor is not None:
+                    st.monitor.close(linger=0)
                 st.sub.close(linger=0)
                 if st.dealer is not None:
                     st.dealer.close(linger=0)
@@ -221,15 +233,21 @@ class EventSubscriber:
             sub.close(linger=0)
             return
         st = _Stream(name, address, replay_address, topic.encode("utf-8"), sub)
+        st.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._streams[name] = st
         self._stats[name] = st.stats
         self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(st.monitor, zmq.POLLIN)
 
     def _drop_stream(self, name: str) -> None:
         st = self._streams.pop(name, None)
         if st is None:
             return
         self._poller.unregister(st.sub)
+        if st.monitor is not None:
+            self._poller.unregister(st.monitor)
+            st.sub.disable_monitor()
+            st.monitor.close(linger=0)
         st.sub.close(linger=0)
         self._close_dealer(st)
 
@@ -238,6 +256,18 @@ class EventSubscriber:
             self._poller.unregister(st.dealer)
             st.dealer.close(linger=0)  # drops replies of a timed-out replay
             st.dealer = None
+
+    def _drain_monitor(self, st: _Stream) -> None:
+        assert st.monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(st.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                st.connections += 1
+                if st.connections > 1:
+                    st.verify_next = True  # the publisher may be a new one
 
     def _drain_live(self, st: _Stream, budget: int = 512) -> None:
         for _ in range(budget):
@@ -261,10 +291,12 @@ class EventSubscriber:
         last = st.stats.last_seq
         if seq <= last:
             return  # already applied from a replay
-        if seq == last + 1:
+        verify = st.verify_next and last >= 0 and st.replay_address is not None
+        st.verify_next = False
+        if seq == last + 1 and not verify:
             self._apply(st, seq, payload)
             return
-        if last >= 0:
+        if last >= 0 and seq != last + 1:
             st.stats.gaps += 1
         if st.replay_address:
             # Replay from the last applied batch, not the one after: getting the same bytes
