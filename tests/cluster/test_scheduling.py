@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -87,6 +88,22 @@ def test_precise_prefix_scores_the_run_fraction_with_tier_weights() -> None:
     assert PrecisePrefixScorer(idx).score(RoutingRequest(text=b"x"), [a]) == [0.0]
     # A prompt shorter than a block has nothing cacheable.
     assert PrecisePrefixScorer(idx).score(RoutingRequest(token_ids=[1, 2]), [a]) == [0.0]
+
+
+def test_precise_prefix_counts_blocks_just_sent_until_their_events_arrive() -> None:
+    idx = KVIndex()
+    a, b, c = ep("a"), ep("b"), ep("c", events=False)
+    store_prefix(idx, "a", PROMPT[: 2 * BS])
+    scorer = PrecisePrefixScorer(idx, default_block_size=BS, speculative_ttl_s=0.2)
+    assert scorer.score(RoutingRequest(token_ids=PROMPT), [a, b, c]) == [0.25, 0.0, 0.0]
+    scorer.observe(RoutingRequest(token_ids=PROMPT), b)  # no events from b yet
+    scorer.observe(RoutingRequest(token_ids=PROMPT), c)  # no events at all: approx_prefix's
+    assert scorer.score(RoutingRequest(token_ids=PROMPT), [a, b, c]) == [0.25, 1.0, 0.0]
+    half = PROMPT[: 4 * BS] + [999] * (4 * BS + 1)  # shares 4 of 8 blocks
+    assert scorer.score(RoutingRequest(token_ids=half), [a, b, c]) == [0.25, 0.5, 0.0]
+    time.sleep(0.45)  # > 2 x ttl: only what events said is left
+    assert scorer.score(RoutingRequest(token_ids=PROMPT), [a, b, c]) == [0.25, 0.0, 0.0]
+    assert PrecisePrefixScorer(idx, speculative_ttl_s=0).speculative is None
 
 
 def test_approx_prefix_uses_history_only_for_endpoints_without_events() -> None:

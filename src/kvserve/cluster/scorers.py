@@ -5,7 +5,11 @@ Owns the scoring rules; the scheduler weights and sums them. A scorer may also
 
 - ``precise_prefix``: the longest run of the prompt's blocks from block 0 that the endpoint
   holds according to its KV events, each block weighted by its best tier, over the prompt's
-  cacheable blocks.
+  cacheable blocks. A request's blocks also count as held, speculatively, by the endpoint it
+  was just sent to, for ``speculative_ttl_s`` (2 s; 0: off): the window before that engine's
+  BlockStored events arrive, in which a burst of requests sharing a new prefix would
+  otherwise be spread by load and each compute the prefix again (llm-d's precise prefix cache
+  scorer adds such speculative entries too).
 - ``approx_prefix``: the same run length from the router's own routing history; by default
   only for endpoints that publish no KV events (so it never double counts with the above).
 - ``queue_depth``: waiting requests, min-max normalized across candidates (fewest = 1).
@@ -43,21 +47,42 @@ class _Stateless:
         return None
 
 
-class PrecisePrefixScorer(_Stateless):
+class PrecisePrefixScorer:
     name = "precise_prefix"
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(
+        self, index: KVIndex, default_block_size: int = 16, speculative_ttl_s: float = 2.0
+    ) -> None:
+        if speculative_ttl_s < 0:
+            raise ValueError("speculative_ttl_s must be >= 0")
         self.index = index
+        self.default_block_size = default_block_size
+        # Blocks of requests just sent, per endpoint (expire after ttl..2*ttl).
+        self.speculative = RoutingHistory(speculative_ttl_s) if speculative_ttl_s else None
+
+    def _block_size(self, e: Endpoint) -> int:
+        return self.index.endpoint_block_size(e.name) or self.default_block_size
 
     def score(self, req: RoutingRequest, endpoints: list[Endpoint]) -> list[float]:
         if req.token_ids is None:
             return [0.0] * len(endpoints)
         found = self.index.match_endpoints([e.name for e in endpoints], req.block_keys)
+        spec = self.speculative
         out = []
         for e in endpoints:
-            _, weighted, total = found[e.name]
+            n, weighted, total = found[e.name]
+            if spec is not None and e.has_kv_events:
+                keys = req.block_keys(self._block_size(e))
+                extra = spec.match(e.name, keys) - n
+                if extra > 0:  # on its way into the primary pool: full weight
+                    weighted += extra
+                    total = len(keys)
             out.append(clamp01(weighted / total) if total else 0.0)
         return out
+
+    def observe(self, req: RoutingRequest, endpoint: Endpoint) -> None:
+        if self.speculative is not None and endpoint.has_kv_events and req.token_ids is not None:
+            self.speculative.record(endpoint.name, req.block_keys(self._block_size(endpoint)))
 
 
 class ApproxPrefixScorer:
@@ -144,7 +169,9 @@ class ScorerContext(Protocol):
 
 
 SCORERS: dict[str, Callable[..., Scorer]] = {
-    "precise_prefix": lambda ctx, **kw: PrecisePrefixScorer(ctx.index, **kw),
+    "precise_prefix": lambda ctx, **kw: PrecisePrefixScorer(
+        ctx.index, ctx.history_block_size, **kw
+    ),
     "approx_prefix": lambda ctx, **kw: ApproxPrefixScorer(
         ctx.history, ctx.history_block_size, **kw
     ),
