@@ -59,3 +59,25 @@ def test_sessions_follow_their_prefix_then_survive_a_dead_engine(cluster):
         for p in sessions:  # every request succeeds, on the survivor
             endpoint, _ = _complete(client, cluster.router_url, p + [7, 8, 9])
             assert endpoint != victim
+
+
+def test_streams_through_the_router_match_the_buffered_answer(cluster):
+    """OpenAI's client through the router: SSE streams of completions and chat arrive whole
+    and equal the non-streamed greedy answer (the engine's chunked responses are relayed)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0)
+    prompt = [11, 12, 13, 14, 15] * 8
+    args = {"model": "tiny", "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(prompt=prompt, **args).choices[0].text
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(prompt=prompt, stream=True, **args)
+        if c.choices
+    ]
+    assert len(pieces) > 1 and "".join(pieces) == whole
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(messages=messages, **args).choices[0].message.content
+    stream = client.chat.completions.create(messages=messages, stream=True, **args)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole
