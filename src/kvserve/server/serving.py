@@ -12,7 +12,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,44 +346,23 @@ class OpenAIServing:
         )
         return _json(resp)
 
-    async def _completion_stream(
+    def _completion_stream(
         self, batch: _Batch, logprobs: int | None, include_usage: bool
     ) -> AsyncIterator[str]:
-        created = int(time.time())
+        def choice(c: _Choice, out: CompletionOutput, text: str) -> CompletionChoice:
+            return CompletionChoice(
+                index=c.index,
+                text=text,
+                logprobs=self._completion_logprobs(
+                    out, c.sent_tokens, logprobs, offset=c.sent_text
+                ),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
 
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return CompletionResponse(
-                id=batch.request_id,
-                created=created,
-                model=batch.model,
-                choices=choices,
-                usage=usage,
-            ).model_dump_json()
-
-        try:
-            async for c in batch.outputs():
-                out = c.output
-                assert out is not None
-                text = out.text[c.sent_text :]
-                if not text and not out.finished() and logprobs is None:
-                    continue
-                lp = self._completion_logprobs(out, c.sent_tokens, logprobs, offset=c.sent_text)
-                c.sent_text, c.sent_tokens = len(out.text), len(out.token_ids)
-                choice = CompletionChoice(
-                    index=c.index,
-                    text=text,
-                    logprobs=lp,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-                yield _sse(chunk([choice]))
-            if include_usage:
-                yield _sse(chunk([], batch.usage()))
-        except Exception as exc:
-            yield _sse(_error_body(exc))
-        finally:
-            batch.abort()
-        yield _sse("[DONE]")
+        return _sse_stream(
+            batch, CompletionResponse, choice, include_usage, every_token=logprobs is not None
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -453,47 +432,31 @@ class OpenAIServing:
         )
         return _json(resp)
 
-    async def _chat_stream(
-        self, batch: _Batch, k: int | None, include_usage: bool
-    ) -> AsyncIterator[str]:
-        created = int(time.time())
+    def _chat_stream(self, batch: _Batch, k: int | None, include_usage: bool) -> AsyncIterator[str]:
+        def choice(c: _Choice, out: CompletionOutput, text: str) -> ChatCompletionChunkChoice:
+            return ChatCompletionChunkChoice(
+                index=c.index,
+                delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                logprobs=self._chat_logprobs(out, c.sent_tokens, k),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+            )
 
-        def chunk(choices: list[ChatCompletionChunkChoice], usage: Usage | None = None) -> str:
-            return ChatCompletionChunk(
-                id=batch.request_id,
-                created=created,
-                model=batch.model,
-                choices=choices,
-                usage=usage,
-            ).model_dump_json()
-
-        try:
-            for c in batch.choices:  # the role first, as OpenAI does (flushes the headers too)
-                delta = DeltaMessage(role="assistant", content="")
-                yield _sse(chunk([ChatCompletionChunkChoice(index=c.index, delta=delta)]))
-            async for c in batch.outputs():
-                out = c.output
-                assert out is not None
-                text = out.text[c.sent_text :]
-                if not text and not out.finished() and k is None:
-                    continue
-                lp = self._chat_logprobs(out, c.sent_tokens, k)
-                c.sent_text, c.sent_tokens = len(out.text), len(out.token_ids)
-                choice = ChatCompletionChunkChoice(
-                    index=c.index,
-                    delta=DeltaMessage(content=text) if text else DeltaMessage(),
-                    logprobs=lp,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-                yield _sse(chunk([choice]))
-            if include_usage:
-                yield _sse(chunk([], batch.usage()))
-        except Exception as exc:
-            yield _sse(_error_body(exc))
-        finally:
-            batch.abort()
-        yield _sse("[DONE]")
+        # The role first, as OpenAI does (it also flushes the headers).
+        first = [
+            ChatCompletionChunkChoice(
+                index=c.index, delta=DeltaMessage(role="assistant", content="")
+            )
+            for c in batch.choices
+        ]
+        return _sse_stream(
+            batch,
+            ChatCompletionChunk,
+            choice,
+            include_usage,
+            every_token=k is not None,
+            first=first,
+        )
 
     def _chat_logprobs(
         self, out: CompletionOutput, start: int, k: int | None
@@ -531,6 +494,46 @@ async def _drain(batch: _Batch) -> None:
         raise APIError(f"generation failed: {exc}", 500) from exc
     finally:
         batch.abort()
+
+
+async def _sse_stream(
+    batch: _Batch,
+    chunk_type: type[CompletionResponse] | type[ChatCompletionChunk],
+    choice: Callable[[_Choice, CompletionOutput, str], Any],
+    include_usage: bool,
+    *,
+    every_token: bool,
+    first: list[Any] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed batch: ``first`` choices, then a chunk per choice that
+    produced text (or a token, with ``every_token``), the usage chunk, ``[DONE]``. An engine
+    failure becomes an error event; the batch is aborted however the stream ends."""
+    created = int(time.time())
+
+    def chunk(choices: list[Any], usage: Usage | None = None) -> str:
+        return chunk_type(
+            id=batch.request_id, created=created, model=batch.model, choices=choices, usage=usage
+        ).model_dump_json()
+
+    try:
+        if first:
+            yield _sse(chunk(first))
+        async for c in batch.outputs():
+            out = c.output
+            assert out is not None
+            text = out.text[c.sent_text :]
+            if not text and not out.finished() and not every_token:
+                continue
+            ch = choice(c, out, text)
+            c.sent_text, c.sent_tokens = len(out.text), len(out.token_ids)
+            yield _sse(chunk([ch]))
+        if include_usage:
+            yield _sse(chunk([], batch.usage()))
+    except Exception as exc:
+        yield _sse(_error_body(exc))
+    finally:
+        batch.abort()
+    yield _sse("[DONE]")
 
 
 def _error_body(exc: BaseException) -> str:
