@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 from kvserve.bench.cli import default_model_dir, tokenizer_for
-from kvserve.bench.loadgen import LoadConfig, http_run
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster
 from kvserve.bench.machine import describe_machine, machine_markdown
 from kvserve.bench.report import Run, Summary
@@ -107,15 +106,14 @@ def run_one(args, model_dir: Path, w: Workload, label: str, router_args: list[st
     t0 = time.monotonic()
     with LocalCluster(spec) as cluster:
         print(f"== {w.name} / {label}: up in {time.monotonic() - t0:.1f}s", flush=True)
-        cfg = LoadConfig(
-            base_url=cluster.router_url,
-            model=spec.served_model_name,
+        run = cluster.run_workload(
+            w,
             concurrency=args.concurrency,
             label=label,
             seed=args.seed,
+            tokenize=tokenize,
             progress=False,
         )
-        _, run = http_run(w, cfg, tokenize=tokenize)
     s = run.summary
     print(
         f"   TTFT p50 {s.ttft.p50 * 1e3:.0f} ms p90 {s.ttft.p90 * 1e3:.0f} ms, "

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from kvserve.bench.cli import default_model_dir, tokenizer_for
-from kvserve.bench.loadgen import LoadConfig, http_run
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster
 from kvserve.bench.machine import describe_machine
 from kvserve.bench.report import Run, markdown_table, write_report
@@ -64,15 +63,9 @@ def _phase(args, model_dir: Path, label: str, offload: bool, router_args: list[s
     t0 = time.monotonic()
     with LocalCluster(spec) as cluster:
         print(f"   up in {time.monotonic() - t0:.1f}s at {cluster.router_url}", flush=True)
-        cfg = LoadConfig(
-            base_url=cluster.router_url,
-            model=spec.served_model_name,
-            concurrency=args.concurrency,
-            label=label,
-            seed=args.seed,
+        return cluster.run_workload(
+            workload, concurrency=args.concurrency, label=label, seed=args.seed, tokenize=tokenize
         )
-        _, run = http_run(workload, cfg, tokenize=tokenize)
-    return run
 
 
 def run(args: argparse.Namespace) -> int:

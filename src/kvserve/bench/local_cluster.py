@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.bench.loadgen import wait_for_server
+from kvserve.bench.loadgen import LoadConfig, http_run, wait_for_server
 
 
 def free_port() -> int:
@@ -64,6 +64,22 @@ class LocalCluster:
     @property
     def engine_urls(self) -> list[str]:
         return [p.url for p in self.engines]
+
+    def run_workload(self, workload, *, concurrency: int, label: str, seed: int, **kw):
+        """Drive ``workload`` through the router, closed loop; returns the ``report.Run``.
+
+        ``kw``: ``tokenize`` for :func:`http_run`, the rest for :class:`LoadConfig`.
+        """
+        tokenize = kw.pop("tokenize", None)
+        cfg = LoadConfig(
+            base_url=self.router_url,
+            model=self.spec.served_model_name,
+            concurrency=concurrency,
+            label=label,
+            seed=seed,
+            **kw,
+        )
+        return http_run(workload, cfg, tokenize=tokenize)[1]
 
     def _spawn(self, name: str, argv: list[str], url: str) -> _Proc:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
