@@ -95,6 +95,12 @@ def test_proxy_models_errors_health_and_metrics() -> None:
                 assert status == 400
                 async with s.get(base + "/health") as r:
                     assert r.status == 200 and (await r.json())["healthy_endpoints"] == 2
+                async with s.get(base + "/version") as r:
+                    assert (await r.json())["version"]
+                async with s.get(base + "/v1/completions") as r:  # wrong method
+                    assert r.status == 405 and "error" in await r.json()
+                async with s.get(base + "/nope") as r:
+                    assert r.status == 404 and "error" in await r.json()
                 a.running, a.waiting, a.kv_usage = 3, 2, 0.5
                 ep_a = router.pool.endpoints[a.url]
                 await until(lambda: ep_a.num_requests_waiting == 2)

@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+import kvserve
 from kvserve.cluster.config import RouterConfig
 from kvserve.cluster.endpoints import Endpoint, EndpointPool
 from kvserve.cluster.event_subscriber import EventSubscriber
@@ -139,6 +140,7 @@ class Router:
             ("GET", "/health"): self._simple(self.health),
             ("GET", "/metrics"): self._simple(self.prometheus),
             ("GET", "/router/state"): self._simple(self.state),
+            ("GET", "/version"): self._simple(lambda: json_reply({"version": kvserve.__version__})),
         }
         self._paths = {path for _, path in self._routes}
         self._session_header = config.session_header.lower().encode("latin-1")
