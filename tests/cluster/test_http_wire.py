@@ -111,6 +111,10 @@ def test_server_expect_continue_limits_and_malformed_input() -> None:
                 port, b"POST /f HTTP/1.1\r\nhost: h\r\ncontent-length: 101\r\n\r\n", b"never"
             )
             assert out.startswith(b"HTTP/1.1 413") and b'"error"' in out
+            # Endless headers: 431, closed.
+            junk = b"GET / HTTP/1.1\r\n" + b"x-junk: " + b"j" * (70 << 10) + b"\r\n\r\n"
+            out = await raw_exchange(port, junk, b"never")
+            assert out.startswith(b"HTTP/1.1 431")
             # Not HTTP at all: 400, closed.
             out = await raw_exchange(port, b"\x16\x03\x01 hello\r\n\r\n", b"never")
             assert out.startswith(b"HTTP/1.1 400") and b"malformed" in out

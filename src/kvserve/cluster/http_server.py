@@ -25,6 +25,7 @@ import httptools
 logger = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+MAX_HEAD_BYTES = 64 << 10  # request line + headers
 
 
 @dataclass
@@ -136,6 +137,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._body_len = 0
+        self._head_len = 0
         self._rejected = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -175,12 +177,20 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._body = []
         self._body_len = 0
+        self._head_len = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name, value))
+        self._count_head(len(name) + len(value))
+
+    def _count_head(self, n: int) -> None:
+        self._head_len += n
+        if self._head_len > MAX_HEAD_BYTES and not self._rejected:
+            self._fail(431, f"request line and headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
         limit = self.server.max_body_bytes
