@@ -1,12 +1,18 @@
 """Routing quality on real engines: round robin vs load-only vs precise prefix + load.
 
 Issue 4's last benchmark. ``--engines`` (2) real ``kvserve serve`` processes of the tiny
-preset (``--num-threads 1`` each, small ``--num-kv-blocks`` so a workload's working set
-exceeds one engine's pool but fits the cluster) behind ``kvserve route`` (``LocalCluster``),
-driven by the closed-loop load generator of ``kvserve.bench`` with two workloads:
+preset (``--num-threads 1`` each, ``--num-kv-blocks`` sized per workload so its working set
+exceeds one engine's pool but fits the cluster: ``--pool-fraction`` 0.6 of it per engine,
+so one engine cannot hold all four shared system prompts of the second workload)
+behind ``kvserve route`` (``LocalCluster``), driven by the closed-loop load generator of
+``kvserve.bench`` with two prefill-heavy workloads (long prompts, short answers: the regime
+where KV-aware routing matters, e.g. agents re-reading a code base, RAG, long chats):
 
 - ``multi-turn``: chat sessions whose history grows turn by turn (token-id prompts);
 - ``system-prompt``: a few long system prompts shared by many single-turn users.
+
+Every strategy runs ``--reps`` times (a fresh cluster each, strategies interleaved); the
+tables give medians.
 
 Router configurations (one freshly started cluster per run, the same seeded workload):
 
@@ -15,14 +21,14 @@ Router configurations (one freshly started cluster per run, the same seeded work
 - ``prefix+load``: ``--scorer precise_prefix=3 --scorer load=1`` (KV-event index);
 - ``prefix+load2+queue+kv``: the router's defaults before this benchmark (precise prefix 3,
   load 2, queue depth 1, KV utilization 1);
-- ``default``: the router's defaults (``cluster/config.py``; chosen from this benchmark:
-  precise prefix 3 + load 1, plus approximate prefix 3 for endpoints without KV events).
+- ``default``: the router's defaults (``cluster/config.py``: precise prefix 3 with
+  speculative entries + load 1, plus approximate prefix 3 for endpoints without KV events).
 
 Reported per run: TTFT p50/p90, output and total token throughput, the share of prompt
 tokens served from the engines' prefix caches. Results go to
 ``benchmarks/results/routing_quality.{md,json,png}``.
 
-    .venv/bin/python benchmarks/bench_routing_quality.py            # ~5 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_routing_quality.py            # ~8 minutes on 2 cores
     .venv/bin/python benchmarks/bench_routing_quality.py --quick    # smoke run
 """
 
@@ -31,13 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
 from kvserve.bench.cli import default_model_dir, tokenizer_for
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster
 from kvserve.bench.machine import describe_machine, machine_markdown
-from kvserve.bench.report import Run, Summary
+from kvserve.bench.report import Summary
 from kvserve.bench.workloads import Workload, multi_turn_workload, system_prompt_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,8 +71,8 @@ def workloads(args: argparse.Namespace, vocab) -> list[Workload]:
         multi_turn_workload(
             num_sessions=max(4, int(10 * scale)),
             num_turns=4,
-            first_len=384,
-            user_len=48,
+            first_len=1536,
+            user_len=64,
             output_len=args.output_len,
             think_time=0.05,
             vocab=vocab,
@@ -74,7 +81,7 @@ def workloads(args: argparse.Namespace, vocab) -> list[Workload]:
         system_prompt_workload(
             num_system_prompts=4,
             num_users=max(8, int(48 * scale)),
-            system_prompt_len=640,
+            system_prompt_len=1536,
             question_len=48,
             output_len=args.output_len,
             vocab=vocab,
@@ -93,12 +100,14 @@ def working_set_blocks(w: Workload) -> int:
     return blocks
 
 
-def run_one(args, model_dir: Path, w: Workload, label: str, router_args: list[str], tokenize):
+def run_one(
+    args, model_dir: Path, w: Workload, label: str, router_args: list[str], tokenize, pool: int
+):
     spec = ClusterSpec(
         model_dir=str(model_dir),
         num_engines=args.engines,
         engine_args=[
-            *("--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "8"),
+            *("--num-kv-blocks", str(pool), "--max-num-seqs", "8"),
             *("--num-threads", "1"),
         ],
         router_args=router_args,
@@ -124,24 +133,34 @@ def run_one(args, model_dir: Path, w: Workload, label: str, router_args: list[st
     return run
 
 
-def row(s: Summary, base: Summary | None) -> dict:
-    ttft = s.ttft
+def median_row(runs: list[Summary]) -> dict:
+    """One strategy's runs: medians of the measurements, the runs' counts summed."""
+    med = statistics.median
+    endpoints: dict[str, int] = {}
+    for s in runs:
+        for k, v in s.endpoints.items():
+            endpoints[k] = endpoints.get(k, 0) + v
     return {
-        "strategy": s.label,
-        "requests": s.num_requests,
-        "failed": s.failed,
-        "ttft_p50_ms": ttft.p50 * 1e3 if ttft else None,
-        "ttft_p90_ms": ttft.p90 * 1e3 if ttft else None,
-        "output_tok_s": s.output_throughput,
-        "total_tok_s": s.total_token_throughput,
-        "cache_hit_ratio": s.cache_hit_ratio,
-        "duration_s": s.duration,
-        "endpoints": s.endpoints,
-        "ttft_p90_vs_baseline": (base.ttft.p90 / ttft.p90) if base and base.ttft and ttft else None,
-        "throughput_vs_baseline": (s.total_token_throughput / base.total_token_throughput)
-        if base and base.total_token_throughput
-        else None,
+        "strategy": runs[0].label,
+        "runs": len(runs),
+        "requests": sum(s.num_requests for s in runs),
+        "failed": sum(s.failed for s in runs),
+        "ttft_p50_ms": med(s.ttft.p50 * 1e3 for s in runs if s.ttft),
+        "ttft_p90_ms": med(s.ttft.p90 * 1e3 for s in runs if s.ttft),
+        "ttft_p90_ms_runs": [round(s.ttft.p90 * 1e3, 1) for s in runs if s.ttft],
+        "output_tok_s": med(s.output_throughput for s in runs),
+        "total_tok_s": med(s.total_token_throughput for s in runs),
+        "total_tok_s_runs": [round(s.total_token_throughput) for s in runs],
+        "cache_hit_ratio": med((s.cache_hit_ratio or 0.0) for s in runs),
+        "duration_s": med(s.duration for s in runs),
+        "endpoints": endpoints,
     }
+
+
+def with_gains(r: dict, base: dict | None) -> dict:
+    r["ttft_p90_vs_baseline"] = base["ttft_p90_ms"] / r["ttft_p90_ms"] if base else None
+    r["throughput_vs_baseline"] = r["total_tok_s"] / base["total_tok_s"] if base else None
+    return r
 
 
 def table(rows: list[dict]) -> str:
@@ -191,13 +210,19 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--num-kv-blocks", type=int, default=192, help="primary pool per engine")
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.6,
+        help="primary pool per engine, as a fraction of the workload's working set",
+    )
+    ap.add_argument("--reps", type=int, default=2, help="runs per strategy (medians reported)")
     ap.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
-    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument(
         "--strategies",
         nargs="+",
-        default=["round-robin", "load", "prefix+load", "prefix+load2+queue+kv"],
+        default=["round-robin", "load", "prefix+load", "default"],
         choices=list(STRATEGIES),
     )
     ap.add_argument("--workloads", nargs="+", default=["multi-turn", "system-prompt"])
@@ -215,19 +240,21 @@ def main() -> None:
         if w.name not in args.workloads:
             continue
         ws = working_set_blocks(w)
-        sizes[w.name] = {"working_set_blocks": ws, "params": w.params}
+        pool = max(64, int(args.pool_fraction * ws))
+        sizes[w.name] = {"working_set_blocks": ws, "pool_blocks": pool, "params": w.params}
         print(
             f"# {w.name}: {len(w.sessions)} sessions, working set ~{ws} blocks "
-            f"(one engine holds {args.num_kv_blocks}, the cluster "
-            f"{args.engines * args.num_kv_blocks})",
+            f"(one engine holds {pool}, the cluster {args.engines * pool})",
             flush=True,
         )
-        runs: list[Run] = [
-            run_one(args, model_dir, w, label, STRATEGIES[label], tokenize)
-            for label in args.strategies
-        ]
-        base = next((r.summary for r in runs if r.summary.label == BASELINE), None)
-        results[w.name] = [row(r.summary, base) for r in runs]
+        by_label: dict[str, list[Summary]] = {label: [] for label in args.strategies}
+        for _ in range(args.reps):
+            for label in args.strategies:
+                run = run_one(args, model_dir, w, label, STRATEGIES[label], tokenize, pool)
+                by_label[label].append(run.summary)
+        rows = {label: median_row(sums) for label, sums in by_label.items()}
+        base = rows.get(BASELINE)
+        results[w.name] = [with_gains(r, base) for r in rows.values()]
     elapsed = time.monotonic() - started
 
     machine = describe_machine()
@@ -240,7 +267,8 @@ def main() -> None:
         "elapsed_s": elapsed,
         "config": {
             "engines": args.engines,
-            "num_kv_blocks_per_engine": args.num_kv_blocks,
+            "pool_fraction": args.pool_fraction,
+            "reps": args.reps,
             "block_size": BLOCK_SIZE,
             "concurrency": args.concurrency,
             "output_len": args.output_len,
@@ -258,17 +286,19 @@ def main() -> None:
         ws = sizes[wname]["working_set_blocks"]
         sections.append(
             f"### {wname}\n\nParameters: `{json.dumps(sizes[wname]['params'])}`; working set "
-            f"~{ws} blocks.\n\n{table(rows)}\n"
+            f"~{ws} blocks, {sizes[wname]['pool_blocks']} per engine.\n\n{table(rows)}\n"
         )
     md = f"""# Routing quality on real engines
 
 `.venv/bin/python benchmarks/bench_routing_quality.py{" --quick" if args.quick else ""}`
 ({time.strftime("%Y-%m-%d")}, {elapsed / 60:.1f} min). {args.engines} `kvserve serve` engines
-(tiny preset, `--num-threads 1`, `--num-kv-blocks {args.num_kv_blocks}` of {BLOCK_SIZE}
-tokens, `--max-num-seqs 8`) behind `kvserve route`; a fresh cluster per run; closed loop,
-{args.concurrency} sessions in flight, {args.output_len} output tokens per request, token-id
-prompts. Gains are relative to round robin (TTFT p90: baseline / run; throughput: run /
-baseline). "cache hit": prompt tokens the engines served from their prefix caches.
+(tiny preset, `--num-threads 1`, `--max-num-seqs 8`, a primary pool of
+{args.pool_fraction:.0%} of the workload's working set each, blocks of {BLOCK_SIZE} tokens)
+behind `kvserve route`; a fresh cluster per run, {args.reps} runs per strategy (interleaved;
+medians shown, per-run values in the JSON); closed loop, {args.concurrency} sessions in flight,
+{args.output_len} output tokens per request, token-id prompts. Gains are relative to round
+robin (TTFT p90: baseline / run; throughput: run / baseline). "cache hit": prompt tokens the
+engines served from their prefix caches.
 
 Strategies: {
         ", ".join(
