@@ -4,21 +4,21 @@ Owns the schema and its loading/validation (unknown keys are errors, so a typo n
 silently falls back to a default). Example: ``examples/router.yaml``.
 
 Defaults and why:
-- scorers: ``precise_prefix`` 3 (KV events; longest cached run from block 0, tier-weighted),
-  ``load`` 1 (active requests, capped at 32), and ``approx_prefix`` 3 (routing history; only
-  scores endpoints that publish no events, so the two never double count). Chosen with
-  ``benchmarks/bench_routing_quality.py`` (2 real tiny-preset engines, working set larger
-  than one engine's pool; results in ``benchmarks/results/routing_quality.md``): precise
-  prefix 3 + load 1 had the best TTFT and throughput of the configurations measured, vs
-  round robin TTFT p90 1.9x / 12x better and throughput 1.7x / 3.2x (multi-turn chat /
-  shared system prompts); load alone 0.9x / 3.8x and 1.2x / 1.9x. The previous defaults
-  (also load 2, ``queue_depth`` 1, ``kv_cache_util`` 1) matched it on multi-turn but sent every
-  system-prompt request to one engine (2.3x throughput instead of 3.2x): one engine held all
-  four prompts and the extra, scraped terms (sampled every 0.5 s, tiny at this concurrency)
-  never outweighed the prefix. Prefix outweighs load, as in llm-d (prefix 3, queue 2,
-  kv-util 2): a full prefix hit (3) beats an idle endpoint; load breaks ties between
-  equal hits and spreads cold prefixes. ``queue_depth``, ``kv_cache_util`` and
-  ``session_affinity`` stay available at weight 0 (affinity alone hot-spots).
+- scorers: ``precise_prefix`` 3 (KV events; longest cached run from block 0, tier-weighted,
+  plus speculative entries for requests just sent, 2 s), ``load`` 1 (active requests,
+  capped at 32), and ``approx_prefix`` 3 (routing history; only scores endpoints that
+  publish no events, so the two never double count). Chosen with
+  ``benchmarks/bench_routing_quality.py`` (2 real tiny-preset engines, each with a pool of
+  60% of the working set; ``benchmarks/results/routing_quality.md``): against round robin,
+  throughput 1.8x / 1.9x and TTFT p50 5.6x / 5.1x better (multi-turn chat / shared system
+  prompts), where load alone gives 1.1x / 1.4x throughput. An earlier measurement (shorter
+  prompts) rejected the previous defaults (load 2, ``queue_depth`` 1, ``kv_cache_util`` 1
+  as well): they sent every system-prompt request to one engine, because the scraped terms
+  (sampled every 0.5 s, tiny at this concurrency) never outweighed the prefix. Prefix
+  outweighs load, as in llm-d (prefix 3, queue 2, kv-util 2): a full prefix hit (3) beats an
+  idle endpoint; load breaks ties between equal hits and spreads cold prefixes.
+  ``queue_depth``, ``kv_cache_util`` and ``session_affinity`` stay available at weight 0
+  (affinity alone hot-spots).
 - picker ``max_score`` (random tie-break); ``weighted_random`` spreads load more.
 - health: checked every 1 s, out after 2 failed checks or at once on a refused connection,
   back after one good check; metrics scraped every 0.5 s.
