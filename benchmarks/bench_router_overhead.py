@@ -348,7 +348,13 @@ def main() -> None:
             for p in (router_proc.pid, bare_proc.pid):
                 for tid in os.listdir(f"/proc/{p}/task"):  # every thread of the proxy
                     os.sched_setaffinity(int(tid), {cpus[1]})
-        rows = asyncio.run(measure(args, backends, router, bare, router_proc.pid, bare_proc.pid))
+        all_cpus = os.sched_getaffinity(0)
+        try:
+            rows = asyncio.run(
+                measure(args, backends, router, bare, router_proc.pid, bare_proc.pid)
+            )
+        finally:
+            os.sched_setaffinity(0, all_cpus)  # the machine report counts every core
     finally:
         for p in (router_proc, bare_proc, backend_proc):
             if p is not None and p.poll() is None:
