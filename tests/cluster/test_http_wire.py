@@ -153,6 +153,9 @@ def test_server_cancels_the_handler_when_the_client_goes_away() -> None:
 def test_server_answers_500_when_the_handler_fails() -> None:
     async def main() -> None:
         async def broken(req: HttpRequest, resp: HttpResponse) -> None:
+            if req.path == "/mid-stream":
+                resp.start(200, [(b"content-type", b"text/event-stream")])
+                await resp.write(b"data: 1\n\n")
             raise RuntimeError("bug")
 
         server = HttpServer(broken, error_reply)
@@ -160,6 +163,9 @@ def test_server_answers_500_when_the_handler_fails() -> None:
         try:
             out = await raw_exchange(port, b"GET / HTTP/1.1\r\nhost: h\r\n\r\n", b"}}")
             assert out.startswith(b"HTTP/1.1 500") and b"internal router error" in out
+            # Failing mid-stream: the stream is cut (no last chunk), never ended as if whole.
+            out = await raw_exchange(port, b"GET /mid-stream HTTP/1.1\r\nhost: h\r\n\r\n", b"!")
+            assert out.endswith(b"data: 1\n\n\r\n") and b"0\r\n\r\n" not in out
         finally:
             await server.close()
 

@@ -249,7 +249,7 @@ class _Connection(asyncio.Protocol):
             if not resp.started:
                 resp.send(*self.server.error_response(500, "internal router error"))
             else:
-                self.keep_alive = False  # a truncated response: the client must not reuse it
+                resp.abort()  # cut, not ended: the client must not take it as complete
         if not resp.finished and not self._closed:
             if not resp.started:
                 resp.send(*self.server.error_response(500, "no response"))
