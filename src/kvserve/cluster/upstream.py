@@ -109,12 +109,6 @@ class UpstreamResponse:
         self.complete = False
         self._error: BaseException | None = None
 
-    def header(self, name: bytes) -> str | None:
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v.decode("latin-1")
-        return None
-
     # -- fed by the connection --------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
         self._pieces.append(data)
@@ -181,7 +175,6 @@ class _UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
-        self.used = False  # has served a request before (so it may have gone stale)
         self.keep_alive = True
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: asyncio.Future[UpstreamResponse] | None = None
@@ -267,7 +260,6 @@ class _UpstreamConnection(asyncio.Protocol):
         if response.complete and self.keep_alive and not self.closed:
             self.response = None
             self._head = None
-            self.used = True
             self.resume_reading()
             self.pool._put_idle(self)
         else:
