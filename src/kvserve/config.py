@@ -15,6 +15,15 @@ from typing import Any
 
 GiB = 1 << 30
 
+# Default offload chunk (tokens). The per-chunk bookkeeping (lookup, pinning, headers, events)
+# is paid once per chunk; copies merge consecutive chunks into long runs whatever their size;
+# only full chunks are stored, so a prompt's last partial chunk is recomputed. 64 tokens (4
+# blocks of 16) measured ~0.1% of prefill throughput above 256-token chunks on the tiny preset,
+# while a 2000-token prompt's TTFT from the tier was 19 ms instead of 55 ms. For reference,
+# LMCache's default chunk is 256 tokens; vLLM's offloading connector defaults its offloaded
+# block size to the engine block size ("block_size" in kv_connector_extra_config).
+DEFAULT_OFFLOAD_BLOCK_SIZE = 64
+
 
 @dataclass
 class EngineConfig:
@@ -41,7 +50,9 @@ class EngineConfig:
     kv_connector: str | None = None
     kv_offload_size: float = 0.0  # GiB of host memory for the offload tier (0: off)
     kv_offload_policy: str = "lru"  # lru | arc
-    kv_offload_block_size: int | None = None  # tokens per offload chunk (multiple of block_size)
+    # tokens per offload chunk, a multiple of block_size (default for the offload connector:
+    # DEFAULT_OFFLOAD_BLOCK_SIZE = 64, or block_size if larger)
+    kv_offload_block_size: int | None = None
     # KV events publishing (ZMQ PUB, vLLM wire format).
     kv_events_endpoint: str | None = None  # e.g. tcp://*:5557
     kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
@@ -56,6 +67,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_offload_size and not self.kv_connector:
             self.kv_connector = "offload"
+        if self.kv_connector == "offload" and self.kv_offload_block_size is None:
+            self.kv_offload_block_size = max(DEFAULT_OFFLOAD_BLOCK_SIZE, self.block_size)
         if self.kv_offload_block_size is not None and (
             self.kv_offload_block_size % self.block_size
         ):

@@ -28,6 +28,7 @@ def reference(tiny_model_dir) -> LLM:
 
 def make_llm(model_dir, num_kv_blocks: int, **kw) -> LLM:
     kw.setdefault("max_num_seqs", 4)
+    kw.setdefault("kv_offload_block_size", 16)  # one block per chunk unless a test says
     return LLM(
         model=str(model_dir),
         num_kv_blocks=num_kv_blocks,
@@ -114,23 +115,64 @@ def test_prefix_from_tier_equals_primary_and_recompute(tiny_model_dir, reference
         llm.shutdown()
 
 
-@pytest.mark.parametrize(("seed", "policy", "chunk"), [(1, "lru", 16), (2, "arc", 32)])
-def test_randomized_multi_turn(tiny_model_dir, reference, seed, policy, chunk) -> None:
+def test_large_chunks_from_tier_equal_primary_and_recompute(tiny_model_dir, reference) -> None:
+    """256-token chunks (16 blocks): a primary hit that ends inside a chunk loads the rest of
+    it; outputs equal the primary-pool hit and recomputation."""
+    rng = random.Random(6)
+    a = rand_prompt(rng, 600)  # two full chunks (512 tokens) reach the tier
+    b = a + rand_prompt(rng, 9)
+    llm = make_llm(tiny_model_dir, num_kv_blocks=48, kv_offload_block_size=256)
+    try:
+        assert llm.engine.connector.chunk_tokens == 256
+        (oa,) = run(llm, [a], 4)
+        run(llm, [rand_prompt(rng, 700)], 1)  # leaves at most 3 of a's blocks in the pool
+        (ob,) = run(llm, [b], 4)
+        hit, ext = ob.metrics.num_cached_tokens, ob.metrics.num_external_cached_tokens
+        assert hit < 256 and ext > 0 and hit + ext == 512  # whole chunks of the tier
+        want = ref_tokens(reference, [a, b], 4)
+        assert oa.outputs[0].token_ids == want[0] and ob.outputs[0].token_ids == want[1]
+        big = make_llm(tiny_model_dir, num_kv_blocks=128, kv_offload_block_size=256)
+        try:
+            run(big, [a], 1)
+            (ob_primary,) = run(big, [b], 4)
+            assert ob_primary.metrics.num_cached_tokens >= 592
+        finally:
+            big.shutdown()
+        assert ob_primary.outputs[0].token_ids == want[1]
+        # Two chunks were loaded, the first only past the primary hit.
+        st = llm.get_stats().connector
+        assert st.extra["loaded_chunks"] == 2 and st.load_bytes == ext // 16 * (
+            llm.engine.runner.kv_block_bytes()
+        )
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("seed", "policy", "chunk", "scale"),
+    [(1, "lru", 16, 1), (2, "arc", 32, 1), (7, "lru", 64, 2), (8, "arc", 256, 8)],
+)
+def test_randomized_multi_turn(tiny_model_dir, reference, seed, policy, chunk, scale) -> None:
     """Several conversations sharing system prompts, a primary pool far below the working
-    set: later turns load their history from the tier; outputs equal recomputation."""
+    set: later turns load their history from the tier; outputs equal recomputation.
+    ``scale`` stretches prompts and the pool so that chunks of ``chunk`` tokens fill up."""
     rng = random.Random(seed)
     llm = make_llm(
-        tiny_model_dir, num_kv_blocks=20, kv_offload_policy=policy, kv_offload_block_size=chunk
+        tiny_model_dir,
+        num_kv_blocks=20 * scale,
+        kv_offload_policy=policy,
+        kv_offload_block_size=chunk,
+        kv_offload_size=0.01 * scale,
     )
     try:
-        systems = [rand_prompt(rng, rng.randrange(20, 60)) for _ in range(2)]
+        systems = [rand_prompt(rng, rng.randrange(20, 60) * scale) for _ in range(2)]
         convs = [list(rng.choice(systems)) for _ in range(6)]
         asked: list[list[int]] = []
         got: list[list[int]] = []
         for _turn in range(4):
             prompts = []
             for conv in convs:
-                conv += rand_prompt(rng, rng.randrange(5, 40))
+                conv += rand_prompt(rng, rng.randrange(5, 40) * scale)
                 prompts.append(list(conv))
             outs = run(llm, prompts, 4)
             for conv, p, o in zip(convs, prompts, outs, strict=True):

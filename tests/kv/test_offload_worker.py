@@ -175,15 +175,16 @@ def test_cancel_and_flush() -> None:
     gate = threading.Event()
     real_run = worker._run
 
-    def gated(job):
+    def gated(batch):
         gate.wait(10)
-        return real_run(job)
+        return real_run(batch)
 
     worker._run = gated  # hold the thread on the first job to observe the queue
     try:
-        for j in range(4):
+        worker.submit(TransferJob(0, True, [ChunkCopy(0, bytes([0]), [1])]))
+        threading.Event().wait(0.05)  # job 0 started (a batch of its own), held at the gate
+        for j in range(1, 4):
             worker.submit(TransferJob(j, True, [ChunkCopy(j, bytes([j]), [j + 1])]))
-        threading.Event().wait(0.05)
         cancelled = worker.cancel([0, 2, 3, 99])
         assert cancelled == {2, 3}  # job 0 already started
         done = worker.poll()
@@ -206,10 +207,10 @@ def test_shutdown_cancels_queued_jobs() -> None:
     worker = CpuTransferWorker(kv, tier)
     gate = threading.Event()
     real_run = worker._run
-    worker._run = lambda job: (gate.wait(10), real_run(job))[1]
+    worker._run = lambda batch: (gate.wait(10), real_run(batch))[1]
     worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
+    threading.Event().wait(0.05)  # job 0 started, held at the gate
     worker.submit(TransferJob(1, True, [ChunkCopy(1, b"b", [2])]))
-    threading.Event().wait(0.05)
     gate.set()
     worker.shutdown()
     res = {r.job_id: r for r in worker.poll()}
@@ -245,7 +246,7 @@ def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
     worker = CpuTransferWorker(kv, tier)
     gate = threading.Event()
     real_run = worker._run
-    worker._run = lambda job: (gate.wait(10), real_run(job))[1]
+    worker._run = lambda batch: (gate.wait(10), real_run(batch))[1]
     try:
         worker.wait_any(10)  # nothing in flight: returns at once
         worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
@@ -257,6 +258,103 @@ def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
         assert time.monotonic() - t < 10
         (res,) = worker.poll()
         assert res.ok and torch.equal(tier.chunk_view(0)[0], kv[1])
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_copy_matches_reference(monkeypatch, dtype) -> None:
+    """Loads copy long runs with torch's threads: same bytes as the one-thread path."""
+    from kvserve.kv.offload import block_copy
+
+    monkeypatch.setattr(block_copy, "PARALLEL_MIN_BYTES", 3 * SHAPE_BYTES[dtype])
+    src = kv_cache(4, dtype)
+    src_ids = [2, 3, 4, 5, 9, 10, 15, 1, 7, 8]
+    dst_ids = [10, 11, 12, 13, 0, 1, 20, 5, 16, 17]  # runs of 4, 2, 1, 1, 2 blocks
+    got, ref = torch.zeros_like(src), torch.zeros_like(src)
+    assert copy_blocks(src, got, src_ids, dst_ids, parallel=True) == copy_blocks(
+        src, ref, src_ids, dst_ids
+    )
+    assert torch.equal(got, ref)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(got[d], src[s])
+
+
+SHAPE_BYTES = {
+    torch.float32: 4 * torch.Size(SHAPE).numel(),
+    torch.bfloat16: 2 * torch.Size(SHAPE).numel(),
+}
+
+
+def test_checksum_samples_every_block_of_a_large_chunk() -> None:
+    """16 blocks per chunk: a chunk missing any one block's write fails verification."""
+    kv = kv_cache(5)
+    tier = tier_for(kv, 16, 1)
+    tier.allocate_slots(1)
+    tier.blocks.copy_(kv[:16])
+    tier.record([0], [b"key"])
+    assert tier.verify([0], [b"key"]) == [True]
+    for b in range(16):
+        saved = tier.blocks[b].clone()
+        tier.blocks[b].zero_()  # this block's write never happened
+        assert tier.verify([0], [b"key"]) == [False], b
+        tier.blocks[b].copy_(saved)
+    assert tier.verify([0], [b"key"]) == [True]
+
+
+def test_queued_jobs_of_one_direction_run_as_one_batch() -> None:
+    """Loads queued behind a running job become one batch: one _run call, results per job,
+    time shared by bytes; a job that fails in the batch fails alone."""
+    kv = kv_cache(10)
+    tier = tier_for(kv, 2, slots=6)
+    tier.allocate_slots(6)
+    tier.blocks.copy_(kv[:12])
+    keys = [bytes([s]) * 4 for s in range(6)]
+    tier.record(list(range(6)), keys)
+    dst = torch.zeros_like(kv)
+    worker = CpuTransferWorker(dst, tier)
+    gate, batches = threading.Event(), []
+    real_run = worker._run
+
+    def gated(batch):
+        batches.append([j.job_id for j in batch])
+        gate.wait(10)
+        return real_run(batch)
+
+    worker._run = gated
+    try:
+        worker.submit(TransferJob(0, False, [ChunkCopy(0, keys[0], [1, 2])]))
+        threading.Event().wait(0.05)  # job 0 runs alone, held at the gate
+        worker.submit(TransferJob(1, False, [ChunkCopy(1, keys[1], [3, 4])]))
+        worker.submit(
+            TransferJob(2, False, [ChunkCopy(2, keys[2], [5, 6]), ChunkCopy(3, keys[3], [7, 8])])
+        )
+        worker.submit(TransferJob(3, False, [ChunkCopy(4, keys[4], [NUM_BLOCKS + 5, 9])]))  # bad
+        worker.submit(TransferJob(4, True, [ChunkCopy(5, b"new", [10, 11])]))  # other direction
+        gate.set()
+        res = {r.job_id: r for r in wait_results(worker, 5)}
+        # [1, 2, 3] ran as one batch; job 3's bad block failed it, so each job ran again alone.
+        assert batches == [[0], [1, 2, 3], [1], [2], [3], [4]]
+        assert res[0].ok and res[1].ok and res[2].ok and res[4].ok
+        assert not res[3].ok and res[3].bad_chunks == [0]
+        for s, blocks in [(0, [1, 2]), (1, [3, 4]), (2, [5, 6]), (3, [7, 8])]:
+            for j, b in enumerate(blocks):
+                assert torch.equal(dst[b], kv[2 * s + j])
+        assert res[2].nbytes == 2 * res[1].nbytes > 0
+        # A batch that succeeds charges each job its share of the time, by bytes.
+        batches.clear()
+        gate.clear()
+        worker.submit(TransferJob(5, False, [ChunkCopy(0, keys[0], [1, 2])]))
+        threading.Event().wait(0.05)
+        worker.submit(TransferJob(6, False, [ChunkCopy(1, keys[1], [3, 4])]))
+        worker.submit(
+            TransferJob(7, False, [ChunkCopy(2, keys[2], [5, 6]), ChunkCopy(3, keys[3], [7, 8])])
+        )
+        gate.set()
+        res = {r.job_id: r for r in wait_results(worker, 3)}
+        assert batches == [[5], [6, 7]] and all(r.ok for r in res.values())
+        assert res[7].seconds == pytest.approx(2 * res[6].seconds)
     finally:
         gate.set()
         worker.shutdown()

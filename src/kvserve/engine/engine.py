@@ -31,6 +31,10 @@ from kvserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Longest sleep on KV transfers in a step that computed nothing (the connector returns as soon
+# as one ends).
+TRANSFER_WAIT_S = 0.002
+
 
 @dataclass
 class EngineStats:
@@ -200,17 +204,21 @@ class LLMEngine:
             runner_out = ModelRunnerOutput()
         else:
             runner_out = self.runner.execute_model(sched_out)
+        # Nothing computed, yet requests are pending: they wait for KV transfers (loads, or
+        # stores holding finished requests' blocks). Sleep on those instead of spinning.
+        idle = sched_out.is_empty and self.has_unfinished_requests()
+        waited = False
         if conn is not None:
             conn.wait_for_save(meta)
+            if idle:
+                waited = conn.wait_for_transfers(TRANSFER_WAIT_S)
             co: KVConnectorOutput = conn.get_finished(sched_out.finished_req_ids)
             runner_out.finished_sending |= co.finished_sending
             runner_out.finished_recving |= co.finished_recving
             runner_out.invalid_block_ids |= co.invalid_block_ids
         updated = self.scheduler.update_from_output(sched_out, runner_out)
-        if sched_out.is_empty and not updated and self.has_unfinished_requests():
-            # Only requests waiting for KV transfers (loads, or stores holding finished
-            # requests' blocks): do not spin the CPU.
-            time.sleep(0.0005)
+        if idle and not waited and not updated:
+            time.sleep(0.0005)  # no transfer to sleep on: do not spin the CPU
         return self._make_outputs(updated, runner_out)
 
     def _make_outputs(

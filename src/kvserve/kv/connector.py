@@ -110,8 +110,15 @@ class KVConnectorBase(ABC):
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:  # noqa: B027
         """Blocks of these requests are about to be reused: finish or cancel their stores."""
 
+    def wait_for_transfers(self, timeout: float) -> bool:
+        """The engine has nothing to compute until a transfer ends: block (without holding the
+        GIL) until one has ended, at most ``timeout`` seconds. Called right before
+        :meth:`get_finished` of a step that scheduled no tokens. Returns False when no
+        transfer was in flight (nothing to wait for)."""
+        return False
+
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        """Transfers that completed since the last call."""
+        """Transfers that completed since the last call (never blocks)."""
         return KVConnectorOutput()
 
     def shutdown(self) -> None:  # noqa: B027

@@ -135,10 +135,11 @@ class Backend(ABC):
         return len(self._free)
 
     def allocate_slots(self, n: int) -> list[int]:
-        """``n`` free slots, lowest first for fresh tiers (long contiguous runs)."""
+        """The ``n`` slots free the longest (first freed, first reused), in ascending order so
+        that consecutive chunks tend to get consecutive slots (one copy for a run of them)."""
         if n > len(self._free):
             raise RuntimeError(f"{n} slots requested, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
+        out = sorted(self._free.popleft() for _ in range(n))
         for s in out:
             self._is_free[s] = False
         return out

@@ -20,9 +20,10 @@ the tier and its blocks (and the following ones of that load) are reported in
 ``invalid_block_ids``: the request recomputes them, the output never changes.
 
 Both halves run in the engine's process and share this object; job completions are applied
-to the manager in :meth:`get_finished` (the engine calls it every step). After a step that
-computed nothing (only transfers in flight) it blocks, bounded, until a job ends: an engine that
-spins instead holds the GIL and starves the transfer thread.
+to the manager in :meth:`get_finished` (the engine calls it every step). Before that, a step
+that computed nothing (only transfers in flight) calls :meth:`wait_for_transfers`, which sleeps
+on the transfer worker until a job ends: an engine that spins instead holds the GIL and starves
+the transfer thread.
 """
 
 from __future__ import annotations
@@ -56,9 +57,6 @@ if TYPE_CHECKING:
     from kvserve.kv.events import AnyKVEvent
 
 logger = logging.getLogger(__name__)
-
-# Longest wait for a transfer in get_finished() after a step that computed nothing.
-IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -117,7 +115,6 @@ class OffloadingConnector(KVConnectorBase):
         self._jobs: dict[int, _JobRecord] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._loads_to_start: list[TransferJob] = []
-        self._idle_step = False  # the step being run schedules no tokens
         self._job_ids = itertools.count(1)
         self._stats = KVConnectorStats()
         self._counts = {"load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0}
@@ -219,7 +216,6 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         meta = OffloadConnectorMetadata(loads=self._loads_to_start)
         self._loads_to_start = []
-        self._idle_step = scheduler_output.is_empty
         mgr = self._mgr()
         k, ct = self.blocks_per_chunk, self.chunk_tokens
         for request in scheduler_output.scheduled:
@@ -352,17 +348,18 @@ class OffloadingConnector(KVConnectorBase):
         if jobs:
             self.worker.wait(jobs)
 
+    def wait_for_transfers(self, timeout: float) -> bool:
+        if self.worker is None or not self._jobs:
+            return False
+        self.worker.wait_any(timeout)
+        return True
+
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
         if self.worker is None:
             return out
         mgr = self._mgr()
-        results = self.worker.poll()
-        if not results and self._idle_step and self._jobs:
-            # Nothing to compute until a transfer lands: sleep on it (releases the GIL).
-            self.worker.wait_any(IDLE_WAIT_S)
-            results = self.worker.poll()
-        for res in results:
+        for res in self.worker.poll():
             rec = self._jobs.pop(res.job_id, None)
             if rec is None:
                 continue

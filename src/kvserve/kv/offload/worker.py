@@ -7,10 +7,13 @@ requests or eviction. A job copies whole engine blocks of a few chunks in one di
 - load (tier -> primary): verify each chunk's header first; chunks that do not verify are not
   copied and are reported in ``bad_chunks`` (the caller turns them into a recompute).
 
-On the CPU a background thread runs jobs in submission order (torch releases the GIL while
-copying, so copies overlap the forward pass). On CUDA each job goes to a stream of a pool,
-ordered by events: a store first waits for the compute stream (the forward that wrote its
-blocks), and completion is polled with ``Event.query()``. ``poll`` never blocks; ``wait`` does
+On the CPU a background thread runs jobs in submission order (copies release the GIL, so they
+overlap the forward pass); a step's loads or stores run as one batch. A store copies on that
+one thread (it overlaps the next forward pass and takes at most one core from it; making the
+forward wait for it instead was measured no better), a load (requests wait for it) copies long
+runs with every core. On CUDA each job goes to a stream of a pool, ordered by events: a store
+first waits for the compute stream (the forward that wrote its blocks), and completion is
+polled with ``Event.query()``. ``poll`` never blocks; ``wait`` does
 (flush before a preempted request's blocks are reused); ``wait_any`` blocks, bounded, until some
 job ends (an idle engine sleeps on it instead of spinning); ``cancel`` drops jobs not yet
 started.
@@ -106,7 +109,12 @@ class TransferWorker:
 
 
 class CpuTransferWorker(TransferWorker):
-    """One background thread; jobs run in submission order."""
+    """One background thread; jobs run in submission order. Jobs of one direction queued back
+    to back (a step's loads, a step's stores) run as one batch: one pass of Python work and
+    one set of copies for all of them, so the copies are as long as the block runs allow."""
+
+    # Largest batch, in blocks (a batch in progress cannot be cancelled).
+    max_batch_blocks = 4096
 
     def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend) -> None:
         super().__init__(kv_cache, tier)
@@ -170,38 +178,67 @@ class CpuTransferWorker(TransferWorker):
                 self._cond.wait_for(lambda: self._queue or self._stop)
                 if self._stop and not self._queue:
                     return
-                job = self._queue.popleft()
-            try:
-                result = self._run(job)
-            except Exception:  # a failed copy must not kill the worker or the request
-                logger.exception("KV transfer job %d failed", job.job_id)
-                result = TransferResult(
-                    job.job_id, ok=False, bad_chunks=list(range(len(job.chunks)))
-                )
+                batch = [self._queue.popleft()]
+                blocks = batch[0].num_blocks
+                while (
+                    self._queue
+                    and self._queue[0].is_store == batch[0].is_store
+                    and blocks < self.max_batch_blocks
+                ):
+                    batch.append(self._queue.popleft())
+                    blocks += batch[-1].num_blocks
+            results = self._run_safe(batch)
             with self._cond:
-                self._finish(result)
+                for result in results:
+                    self._finish(result)
 
-    def _run(self, job: TransferJob) -> TransferResult:
+    def _run_safe(self, batch: list[TransferJob]) -> list[TransferResult]:
+        """Run a batch; if it fails, each job alone, so that one bad job fails only itself."""
+        try:
+            return self._run(batch)
+        except Exception:  # a failed copy must not kill the worker or the request
+            if len(batch) > 1:
+                return [r for job in batch for r in self._run_safe([job])]
+            job = batch[0]
+            logger.exception("KV transfer job %d failed", job.job_id)
+            return [TransferResult(job.job_id, ok=False, bad_chunks=list(range(len(job.chunks))))]
+
+    def _run(self, batch: list[TransferJob]) -> list[TransferResult]:
+        """Jobs of one direction as one transfer: one verification or header pass, one
+        :func:`copy_blocks` (runs merge across jobs). Each job is charged its share of the
+        batch's time, by bytes."""
         t0 = time.perf_counter()
         tier = self.tier
-        chunks = job.chunks
-        if job.is_store:
-            nbytes = copy_blocks(
+        chunks = [c for job in batch for c in job.chunks]
+        if batch[0].is_store:
+            copy_blocks(
                 self.kv_cache, tier.blocks, [b for c in chunks for b in c.block_ids],
                 _tier_ids(tier, chunks),
             )  # fmt: skip
             tier.record([c.slot for c in chunks], [c.key for c in chunks])
-            return TransferResult(job.job_id, True, [], nbytes, time.perf_counter() - t0)
-        ok = tier.verify([c.slot for c in chunks], [c.key for c in chunks])
-        bad = [i for i, good in enumerate(ok) if not good]
-        good_chunks = [c for c, g in zip(chunks, ok, strict=True) if g]
-        nbytes = 0
-        if good_chunks:
-            nbytes = copy_blocks(
-                tier.blocks, self.kv_cache, _tier_ids(tier, good_chunks),
-                [b for c in good_chunks for b in c.block_ids],
-            )  # fmt: skip
-        return TransferResult(job.job_id, not bad, bad, nbytes, time.perf_counter() - t0)
+            good = [True] * len(chunks)
+        else:
+            good = tier.verify([c.slot for c in chunks], [c.key for c in chunks])
+            copying = [c for c, g in zip(chunks, good, strict=True) if g]
+            if copying:
+                copy_blocks(
+                    tier.blocks, self.kv_cache, _tier_ids(tier, copying),
+                    [b for c in copying for b in c.block_ids], parallel=True,
+                )  # fmt: skip
+        seconds = time.perf_counter() - t0
+        block_bytes = tier.layout.block_bytes
+        total = sum(len(c.block_ids) for c, g in zip(chunks, good, strict=True) if g)
+        results, i = [], 0
+        for job in batch:
+            ok = good[i : i + len(job.chunks)]
+            i += len(job.chunks)
+            bad = [j for j, g in enumerate(ok) if not g]
+            blocks = sum(len(c.block_ids) for c, g in zip(job.chunks, ok, strict=True) if g)
+            share = blocks / total if total else 1.0 / len(batch)
+            results.append(
+                TransferResult(job.job_id, not bad, bad, blocks * block_bytes, seconds * share)
+            )
+        return results
 
 
 class CudaTransferWorker(TransferWorker):  # pragma: no cover - needs CUDA
