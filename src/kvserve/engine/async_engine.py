@@ -29,9 +29,6 @@ logger = logging.getLogger(__name__)
 
 # Minimum age of the cached stats snapshot before the engine thread refreshes it while busy.
 _STATS_REFRESH_S = 0.05
-# A step that produced nothing and returned faster than this (e.g. every request is waiting for
-# its KV to arrive) is followed by a short wait instead of an immediate re-step (no busy spin).
-_IDLE_STEP_S = 0.001
 
 StepListener = Callable[[list[RequestOutput]], None]
 
@@ -254,15 +251,12 @@ class AsyncEngine:
                 self._apply(commands)
                 outputs: list[RequestOutput] = []
                 if engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
+                    # A step with nothing to compute sleeps inside the engine (on the KV
+                    # transfers it waits for), so re-stepping at once never spins.
                     outputs = engine.step()
                     self._num_steps += 1
                     if outputs:
                         self._dispatch(outputs)
-                    elif time.perf_counter() - t0 < _IDLE_STEP_S:
-                        with self._cond:
-                            if not self._commands and not self._stop:
-                                self._cond.wait(_IDLE_STEP_S)
                 for listener in self.step_listeners:
                     try:
                         listener(outputs)
