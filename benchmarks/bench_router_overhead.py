@@ -16,7 +16,7 @@ the overhead is routed minus direct, percentile by percentile (bare minus direct
 routed minus bare: routing). The router's CPU time per request (from /proc) is reported too:
 unlike latency it does not depend on what else runs.
 
-    .venv/bin/python benchmarks/bench_router_overhead.py          # ~1.5 minutes
+    .venv/bin/python benchmarks/bench_router_overhead.py [--pin]   # ~3 minutes
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Reported per run: TTFT p50/p90, output and total token throughput, the share of 
 tokens served from the engines' prefix caches. Results go to
 ``benchmarks/results/routing_quality.{md,json,png}``.
 
-    .venv/bin/python benchmarks/bench_routing_quality.py            # ~8 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_routing_quality.py            # ~4 minutes on 2 cores
     .venv/bin/python benchmarks/bench_routing_quality.py --quick    # smoke run
 """
 
