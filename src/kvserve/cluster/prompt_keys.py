@@ -12,11 +12,8 @@ conversation), and one dict probe per chunk of 16 blocks is much cheaper than 16
 
 from __future__ import annotations
 
-import hashlib
 import struct
-import sys
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -27,8 +24,6 @@ from kvserve.engine.hashing import (
     hash_encoded_blocks,
     seed_hash,
 )
-
-_LITTLE = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 def cacheable_tokens(token_ids: Sequence[int]) -> Sequence[int]:
@@ -100,10 +95,7 @@ class PromptKeyCache:
         n_full = (len(token_ids) - 1) // block_size  # cacheable: all but the last token
         if n_full <= 0:
             return []
-        if isinstance(token_ids, array) and token_ids.typecode == "I" and _LITTLE:
-            data = token_ids.tobytes()  # the router's form of a prompt: one memcpy
-        else:
-            data = encode_tokens(token_ids)
+        data = encode_tokens(token_ids)
         block_bytes = 4 * block_size
         stride = block_bytes * self.chunk_blocks
         end = block_bytes * n_full
@@ -139,13 +131,4 @@ def text_block_keys(
     Used only by the routing history when a prompt cannot be tokenized: two prompts with the
     same leading text share leading keys, which is all the approximate prefix scorer needs.
     """
-    parent = seed_hash(seed)
-    out: list[int] = []
-    frm = int.from_bytes
-    sha = hashlib.sha256
-    for i in range(len(data) // chunk_bytes):
-        h = sha(parent)
-        h.update(data[i * chunk_bytes : (i + 1) * chunk_bytes])
-        parent = h.digest()
-        out.append(frm(parent[-8:], "big"))
-    return out
+    return hash_keys(hash_encoded_blocks(seed_hash(seed), data, chunk_bytes))
