@@ -35,6 +35,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -59,8 +60,15 @@ class EndpointSpec:
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"endpoint url must start with http:// or https://: {self.url!r}")
+        parts = urlsplit(self.url)
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            parts = None
+        if not self.url.startswith(("http://", "https://")) or not parts or not parts.hostname:
+            raise ConfigError(
+                f"endpoint url must be http:// or https:// then host[:port][/path]: {self.url!r}"
+            )
         if self.kv_events_replay and not self.kv_events:
             raise ConfigError(f"endpoint {self.url}: kv_events_replay without kv_events")
 

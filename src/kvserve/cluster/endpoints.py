@@ -56,9 +56,11 @@ class Endpoint:
     in_flight: int = 0  # requests this router has sent and not yet finished
     answered_at: float = 0.0  # time.monotonic() of the last proxied response it answered
     name: str = field(init=False)  # the spec's key (a plain attribute: read per request)
+    origin: Origin = field(init=False)  # where to connect, parsed once from the URL
 
     def __post_init__(self) -> None:
         self.name = self.spec.key
+        self.origin = Origin.from_url(self.spec.url)
 
     @property
     def url(self) -> str:
@@ -131,7 +133,6 @@ class EndpointPool:
         self._tasks: list[asyncio.Task] = []
         self._client: UpstreamPool | None = None
         self._own_client = False
-        self._origins: dict[str, Origin] = {}
         self._checking: set[str] = set()
 
     # ------------------------------------------------------------------ membership
@@ -242,10 +243,7 @@ class EndpointPool:
 
     async def _get(self, ep: Endpoint, path: str) -> tuple[int, bytes]:
         assert self._client is not None
-        origin = self._origins.get(ep.url)
-        if origin is None:
-            origin = self._origins[ep.url] = Origin.from_url(ep.url)
-        return await self._client.get(origin, path, timeout_s=self.health.timeout_s)
+        return await self._client.get(ep.origin, path, timeout_s=self.health.timeout_s)
 
     async def check(self, ep: Endpoint) -> bool:
         """One health check (and model discovery while the models are unknown)."""

@@ -43,7 +43,6 @@ from kvserve.cluster.tokenization import (
     routing_request,
 )
 from kvserve.cluster.upstream import (
-    Origin,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
@@ -129,7 +128,6 @@ class Router:
         self.pool.on_removed.append(self._endpoint_removed)
         self.metrics = RouterMetrics(lambda: (self.pool, self.index, self.subscriber))
         self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
-        self._origins: dict[str, Origin] = {}
         self._server: HttpServer | None = None
         self._pruner: asyncio.Task | None = None
         self._routes: dict[tuple[str, str], Callable[[HttpRequest, HttpResponse], Awaitable]]
@@ -159,9 +157,7 @@ class Router:
         self.index.remove_endpoint(ep.name)
         self.history.forget(ep.name)
         self.sessions.forget_endpoint(ep.name)
-        origin = self._origins.pop(ep.url, None)
-        if origin is not None:
-            self.upstream.close_origin(origin)
+        self.upstream.close_origin(ep.origin)
 
     async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Start everything and listen; returns the bound port (``port=0``: a free one)."""
@@ -371,12 +367,6 @@ class Router:
         self.metrics.rejected_of(502).inc()
         resp.send(*error_reply(502, f"all endpoints failed ({last_error})", "bad_gateway"))
 
-    def _origin(self, url: str) -> Origin:
-        origin = self._origins.get(url)
-        if origin is None:
-            origin = self._origins[url] = Origin.from_url(url)
-        return origin
-
     async def _send(
         self,
         ep: Endpoint,
@@ -387,7 +377,7 @@ class Router:
     ) -> UpstreamResponse:
         try:
             upstream = await self.upstream.request(
-                self._origin(ep.url),
+                ep.origin,
                 "POST",
                 request.path,
                 headers,
