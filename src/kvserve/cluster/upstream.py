@@ -19,7 +19,6 @@ closes them before the engine does).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 import time
 from collections import deque
@@ -422,5 +421,4 @@ class UpstreamPool:
         for conn in list(self._all):
             conn.close()
         self._idle.clear()
-        with contextlib.suppress(Exception):
-            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # let the transports' close callbacks run
