@@ -96,11 +96,17 @@ def test_engine_transfer_jobs_copy_long_runs(tiny_model_dir) -> None:
         stores = [j for j in jobs if j.is_store]
         loads = [j for j in jobs if not j.is_store]
         assert len(loads) == 8 and sum(len(j.chunks) for j in stores) == 8 * 3
+        # 48 blocks per job; one copy per block would be 48 runs. How many runs a job has
+        # depends on which blocks were free when it was allocated, which depends on when
+        # earlier stores completed (a finished request's blocks are held until then): 4 here,
+        # 5 seen on a slower machine. Bounds with room for that, far below one per block.
+        run_counts = []
         for job in jobs:
             runs = block_runs(
                 [b for c in job.chunks for b in c.block_ids], _tier_ids(tier, job.chunks)
             )
-            # 48 blocks per job: at most a handful of runs (pool and tier wrap-arounds).
-            assert len(runs) <= 4, (job.is_store, runs)
+            assert len(runs) <= 8, (job.is_store, runs)
+            run_counts.append(len(runs))
+        assert sum(run_counts) <= sum(j.num_blocks for j in jobs) / 12, run_counts
     finally:
         llm.shutdown()
