@@ -221,7 +221,12 @@ def test_reset_prefix_cache_only_when_idle():
     assert pool.reset_prefix_cache() is False
     assert pool.take_events() == []
     pool.free_blocks(reversed(blocks))
+    assert pool.free_block_queue.block_ids() == [3, 4, 2, 1]  # LRU: cached blocks at the tail
     assert pool.reset_prefix_cache() is True
+    # Nothing cached: back to ascending order, so that new tables are consecutive blocks.
+    assert pool.free_block_queue.block_ids() == [1, 2, 3, 4]
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [1, 2, 3]
+    pool.free_blocks(pool.blocks[3:0:-1])
     assert pool.take_events() == [AllBlocksCleared()]
     assert pool.get_cached_block(req.block_hashes[0]) is None
     assert pool.cached_block_hash_to_block == {}

@@ -7,7 +7,7 @@ import torch
 
 from kvserve.kv.backends import create_backend
 from kvserve.kv.backends.base import ChunkHeader, ChunkLayout
-from kvserve.kv.backends.checksum import chunk_checksum, slot_checksums
+from kvserve.kv.backends.checksum import chunk_checksum, piece_starts, slot_checksums
 from kvserve.kv.backends.cpu import CpuBackend
 
 LAYOUT = ChunkLayout(
@@ -68,9 +68,9 @@ def test_headers_checksums_and_verification() -> None:
     tier.write_chunk(1, data, ChunkHeader(key=b"k1", checksum=0))
     h = tier.header(1)
     assert h.key == b"k1" and h.layout == LAYOUT.describe()
-    assert h.checksum == chunk_checksum(data, b"k1")
+    assert h.checksum == chunk_checksum(data, LAYOUT.blocks_per_chunk)
     # Batched checksums agree with the single-chunk form.
-    assert slot_checksums(tier.slots_u8, [1], [b"k1"]) == [h.checksum]
+    assert slot_checksums(tier.slots_u8, [1], LAYOUT.blocks_per_chunk) == [h.checksum]
     out = torch.empty_like(data)
     assert tier.read_chunk(1, out) == h and torch.equal(out, data)
     assert tier.verify([1, 1], [b"k1", b"other"]) == [True, False]
@@ -87,3 +87,22 @@ def test_headers_checksums_and_verification() -> None:
     tier.free_slots([2])
     assert tier.header(2) is None
     tier.close()
+
+
+@pytest.mark.parametrize("blocks_per_chunk", [1, 3, 5, 7, 16])
+def test_checksum_samples_every_block_and_sees_any_sampled_word(blocks_per_chunk: int) -> None:
+    """Each block of a chunk is sampled (also when 8 pieces do not divide evenly among the
+    blocks), and changing any one 64-bit word of a sampled line changes the checksum."""
+    block_bytes = 4096
+    chunk_bytes = block_bytes * blocks_per_chunk
+    starts = piece_starts(chunk_bytes, blocks_per_chunk)
+    assert len(starts) >= 8 and all(a % 64 == 0 and a + 64 <= chunk_bytes for a in starts)
+    assert {a // block_bytes for a in starts} == set(range(blocks_per_chunk))
+    torch.manual_seed(blocks_per_chunk)
+    chunk = torch.randint(0, 2**31, (chunk_bytes // 8,), dtype=torch.int64)
+    base = chunk_checksum(chunk, blocks_per_chunk)
+    for a in starts:
+        for w in range(8):
+            changed = chunk.clone()
+            changed[a // 8 + w] += 1 << (w * 7)
+            assert chunk_checksum(changed, blocks_per_chunk) != base, (a, w)

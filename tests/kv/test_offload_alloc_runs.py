@@ -110,3 +110,22 @@ def test_engine_transfer_jobs_copy_long_runs(tiny_model_dir) -> None:
         assert sum(run_counts) <= sum(j.num_blocks for j in jobs) / 12, run_counts
     finally:
         llm.shutdown()
+
+
+def test_tier_slots_extend_the_oldest_free_slot_into_a_run() -> None:
+    """The slot free the longest comes with the free slots right after it, so chunks evicted
+    together (one old request's run of slots) are reused as one run, not split."""
+    layout = ChunkLayout(1, 4, 1, 4, "float32", blocks_per_chunk=2)
+    tier = CpuBackend(layout, 8 * layout.chunk_bytes)
+    assert tier.allocate_slots(8) == list(range(8))
+    tier.free_slots([6, 2, 3, 7])
+    assert tier.allocate_slots(2) == [6, 7]  # not [2, 6]: 7 follows 6
+    assert tier.num_free_slots() == 2
+    assert tier.allocate_slots(2) == [2, 3]
+    tier.free_slots([7, 3])  # 7 has a stale entry ahead of this one: each is handed out once
+    assert tier.allocate_slots(2) == [3, 7] and tier.num_free_slots() == 0
+    for _ in range(50):  # stale entries do not pile up
+        tier.free_slots([0, 1])
+        assert tier.allocate_slots(1) == [0]
+        assert tier.allocate_slots(1) == [1]
+    assert len(tier._free) <= 2 * tier.num_slots

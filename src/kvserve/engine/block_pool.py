@@ -267,6 +267,13 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        # Nothing cached, so the LRU order means nothing any more: back to ascending ids, as at
+        # start-up, so that new block tables are long runs of consecutive blocks (few, large
+        # copies when KV is loaded into them).
+        self.free_block_queue = FreeKVCacheBlockQueue()
+        for block in self.blocks[1:]:
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue.append_n(self.blocks[1:])
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
         return True

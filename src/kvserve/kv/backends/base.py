@@ -127,29 +127,49 @@ class Backend(ABC):
             raise ValueError("a backend needs at least one slot")
         self.layout = layout
         self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
+        # (slot, stamp) in the order slots were freed. An entry is stale once its slot was
+        # taken by extension (see allocate_slots) or freed again (a newer stamp): skipped when
+        # popped. _is_free is the truth, _stamp[slot] the stamp of its last free.
+        self._free: deque[tuple[int, int]] = deque((s, 0) for s in range(num_slots))
         self._is_free = [True] * num_slots
+        self._stamp = [0] * num_slots
+        self._num_free = num_slots
 
     # -- slots ----------------------------------------------------------------------------
     def num_free_slots(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def allocate_slots(self, n: int) -> list[int]:
-        """The ``n`` slots free the longest (first freed, first reused), in ascending order so
-        that consecutive chunks tend to get consecutive slots (one copy for a run of them)."""
-        if n > len(self._free):
-            raise RuntimeError(f"{n} slots requested, {len(self._free)} free")
-        out = sorted(self._free.popleft() for _ in range(n))
-        for s in out:
-            self._is_free[s] = False
-        return out
+        """``n`` slots, in ascending order (consecutive chunks in consecutive slots: one copy
+        for a run of them). The slot free the longest comes first (first freed, first reused),
+        then the free slots right after it, before the next slot free the longest: chunks
+        evicted together were stored together, so a request's chunks stay in one run of slots
+        instead of being split further at each generation of reuse."""
+        if n > self._num_free:
+            raise RuntimeError(f"{n} slots requested, {self._num_free} free")
+        out: list[int] = []
+        is_free, stamp = self._is_free, self._stamp
+        while len(out) < n:
+            s, st = self._free.popleft()
+            if not is_free[s] or stamp[s] != st:
+                continue  # stale
+            while s < self.num_slots and is_free[s] and len(out) < n:
+                is_free[s] = False
+                out.append(s)
+                s += 1
+        self._num_free -= n
+        if len(self._free) > 2 * self.num_slots:  # too many stale entries: drop them
+            self._free = deque(e for e in self._free if is_free[e[0]] and stamp[e[0]] == e[1])
+        return sorted(out)
 
     def free_slots(self, slots: Iterable[int]) -> None:
         for s in slots:
             if self._is_free[s]:
                 raise RuntimeError(f"slot {s} freed twice")
             self._is_free[s] = True
-            self._free.append(s)
+            self._stamp[s] += 1
+            self._free.append((s, self._stamp[s]))
+            self._num_free += 1
 
     # -- data -----------------------------------------------------------------------------
     @abstractmethod

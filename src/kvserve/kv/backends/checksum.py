@@ -1,17 +1,21 @@
-"""Cheap chunk checksums: CRC-32 of the chunk key and of sampled pieces of the chunk's bytes.
+"""Cheap chunk checksums: a multiply-sum hash of sampled cache lines of the chunk's bytes.
 
-A full CRC-32 runs at about half of memcpy speed on the CPU, which would halve offload
-bandwidth. Instead ``max(8, blocks per chunk)`` pieces of 64 bytes (one cache line each),
-spread over the whole chunk at varying in-region positions, are hashed: every engine block of
-the chunk is sampled, ~1 KiB is read per 16-block chunk, a few microseconds. That catches what
-actually goes wrong with slots (a chunk in the wrong slot, a slot reused under a reader, a
-partial or missing write, down to one missing block); it does not catch a single flipped bit.
-The key, layout and model checks are exact.
+Hashing a whole chunk runs at about half of memcpy speed on the CPU, which would halve offload
+bandwidth. Instead ``max(8, blocks per chunk)`` cache lines (64 bytes), spread over the whole
+chunk at varying in-region positions, are sampled: every engine block of the chunk is, ~1 KiB
+is read per 16-block chunk. The hash of those words is ``sum(word[i] * M[i]) mod 2**64`` with
+fixed random odd multipliers ``M``, computed for a whole batch of chunks in a few numpy calls
+(no per-chunk Python: a batch of 256 chunks costs ~0.1 ms plus the cache misses). Any change
+of one sampled word changes the sum (the multipliers are odd, so invertible mod 2**64);
+unrelated contents collide with probability ~2**-64.
+
+That catches what actually goes wrong with slots (a chunk in the wrong slot, a slot reused
+under a reader, a partial or missing write, down to one missing block); it does not catch a
+single flipped bit outside the sampled lines. The key is compared exactly, beside the checksum.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -20,48 +24,78 @@ import torch
 
 NUM_PIECES = 8
 PIECE_BYTES = 64
+_WORDS_PER_PIECE = PIECE_BYTES // 8
+_SEED = 0x6B7673657276  # fixed: checksums must agree across processes and instances
 
 
 @lru_cache(maxsize=16)
 def piece_starts(chunk_bytes: int, blocks_per_chunk: int = 1) -> tuple[int, ...]:
-    """Start offsets of the sampled pieces in a chunk of ``chunk_bytes`` bytes (at least one
-    piece in each of its ``blocks_per_chunk`` blocks)."""
-    num_pieces = max(NUM_PIECES, blocks_per_chunk)
-    if chunk_bytes <= num_pieces * PIECE_BYTES:
+    """Start offsets (cache-line aligned) of the sampled pieces in a chunk of ``chunk_bytes``
+    bytes: the same number in each of its ``blocks_per_chunk`` blocks, ``NUM_PIECES`` at
+    least, one per stretch of the block, at a varying place in it; ``(0,)`` when the chunk is
+    small enough to hash whole."""
+    per_block = -(-NUM_PIECES // blocks_per_chunk)
+    block_lines = chunk_bytes // PIECE_BYTES // blocks_per_chunk
+    stride = block_lines // per_block
+    if stride < 2:
         return (0,)
-    stride = chunk_bytes // num_pieces
-    room = stride - PIECE_BYTES
-    return tuple(i * stride + (i * 1031) % room for i in range(num_pieces))
+    return tuple(
+        (j * block_lines + p * stride + ((j * per_block + p) * 1031) % stride) * PIECE_BYTES
+        for j in range(blocks_per_chunk)
+        for p in range(per_block)
+    )
 
 
-def _crc(row: np.ndarray, key: bytes, starts: tuple[int, ...], piece: int) -> int:
-    crc = zlib.crc32(key)
-    for a in starts:
-        crc = zlib.crc32(row[a : a + piece], crc)
-    return crc
+@lru_cache(maxsize=16)
+def _word_index(chunk_bytes: int, blocks_per_chunk: int) -> np.ndarray:
+    """Indices of the sampled 64-bit words in a chunk seen as ``uint64``."""
+    starts = piece_starts(chunk_bytes, blocks_per_chunk)
+    if len(starts) == 1:
+        return np.arange(chunk_bytes // 8)
+    return (np.asarray(starts)[:, None] // 8 + np.arange(_WORDS_PER_PIECE)).reshape(-1)
 
 
-def chunk_checksum(chunk: torch.Tensor, key: bytes, blocks_per_chunk: int = 1) -> int:
-    """Checksum of one contiguous host chunk (any shape) stored under ``key``."""
-    row = chunk.reshape(-1).view(torch.uint8).numpy()
-    starts = piece_starts(row.shape[0], blocks_per_chunk)
-    return _crc(row, key, starts, PIECE_BYTES if len(starts) > 1 else row.shape[0])
+@lru_cache(maxsize=16)
+def _multipliers(n: int) -> np.ndarray:
+    rng = np.random.default_rng(_SEED)
+    return rng.integers(0, 2**64, size=n, dtype=np.uint64, endpoint=False) | np.uint64(1)
+
+
+def _as_words(table: np.ndarray) -> np.ndarray:
+    """``[rows, bytes]`` uint8 as ``[rows, words]`` uint64, zero-padding a ragged tail."""
+    if table.shape[1] % 8:
+        pad = np.zeros((table.shape[0], 8 - table.shape[1] % 8), np.uint8)
+        table = np.concatenate([table, pad], axis=1)
+    return table.view(np.uint64)
+
+
+def _hash_rows(words: np.ndarray, rows: np.ndarray, widx: np.ndarray) -> list[int]:
+    flat = rows[:, None] * words.shape[1] + widx[None, :]  # one gather: 3x cheaper than 2-D
+    sampled = words.reshape(-1).take(flat)
+    mult = _multipliers(widx.shape[0])
+    with np.errstate(over="ignore"):
+        return (sampled * mult).sum(axis=1, dtype=np.uint64).tolist()
+
+
+def chunk_checksum(chunk: torch.Tensor, blocks_per_chunk: int = 1) -> int:
+    """Checksum of one contiguous host chunk (any shape)."""
+    row = chunk.reshape(1, -1).view(torch.uint8).numpy()
+    widx = _word_index(row.shape[1], blocks_per_chunk)
+    return _hash_rows(_as_words(row), np.zeros(1, np.intp), widx)[0]
 
 
 def slot_checksums(
-    slots_u8: torch.Tensor,
-    slots: Sequence[int],
-    keys: Sequence[bytes],
-    blocks_per_chunk: int = 1,
+    slots_u8: torch.Tensor, slots: Sequence[int], blocks_per_chunk: int = 1
 ) -> list[int]:
-    """Checksums of many chunks; ``slots_u8`` is the tier as ``[num_slots, chunk_bytes]``."""
+    """Checksums of many chunks at once; ``slots_u8`` is the tier as ``[num_slots,
+    chunk_bytes]`` (equal to :func:`chunk_checksum` of each slot)."""
+    if not slots:
+        return []
     table = slots_u8.numpy()
-    starts = piece_starts(table.shape[1], blocks_per_chunk)
-    if len(starts) == 1 or not slots:
-        piece = PIECE_BYTES if len(starts) > 1 else table.shape[1]
-        return [_crc(table[s], k, starts, piece) for s, k in zip(slots, keys, strict=True)]
-    # Gather every chunk's pieces in one numpy call; CRC-32 over the concatenated pieces equals
-    # the CRC chained piece by piece (what chunk_checksum computes).
-    rows = np.asarray(slots)
-    sampled = np.concatenate([table[rows, a : a + PIECE_BYTES] for a in starts], axis=1)
-    return [zlib.crc32(row, zlib.crc32(k)) for row, k in zip(sampled, keys, strict=True)]
+    widx = _word_index(table.shape[1], blocks_per_chunk)
+    if table.shape[1] % 8:
+        table = table[np.asarray(slots)]
+        rows = np.arange(len(slots))
+    else:
+        rows = np.asarray(slots, dtype=np.intp)
+    return _hash_rows(_as_words(table), rows, widx)

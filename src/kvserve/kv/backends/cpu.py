@@ -110,13 +110,13 @@ class CpuBackend(Backend):
 
     def record(self, slots: list[int], keys: list[bytes]) -> None:
         """Headers for slots just written through :attr:`blocks` (checksums computed here)."""
-        sums = slot_checksums(self.slots_u8, slots, keys, self._k)
+        sums = slot_checksums(self.slots_u8, slots, self._k)
         for s, k, c in zip(slots, keys, sums, strict=True):
             self.set_header(s, k, c)
 
     def verify(self, slots: list[int], keys: list[bytes]) -> list[bool]:
         """Per slot: does it hold ``key`` with bytes matching its recorded checksum?"""
-        sums = slot_checksums(self.slots_u8, slots, keys, self._k)
+        sums = slot_checksums(self.slots_u8, slots, self._k)
         return [
             self._keys[s] == k and self._checksums[s] == c
             for s, k, c in zip(slots, keys, sums, strict=True)
@@ -136,14 +136,14 @@ class CpuBackend(Backend):
     def write_chunk(self, slot: int, data: torch.Tensor, header: ChunkHeader) -> None:
         view = self.chunk_view(slot)
         view.copy_(data.reshape(view.shape))
-        self.set_header(slot, header.key, chunk_checksum(view, header.key, self._k))
+        self.set_header(slot, header.key, chunk_checksum(view, self._k))
 
     def read_chunk(self, slot: int, out: torch.Tensor) -> ChunkHeader | None:
         header = self.header(slot)
         if header is None:
             return None
         view = self.chunk_view(slot)
-        if chunk_checksum(view, header.key, self._k) != header.checksum:
+        if chunk_checksum(view, self._k) != header.checksum:
             return None
         out.copy_(view.reshape(out.shape))
         return header
