@@ -362,6 +362,11 @@ def bench_load_after_eviction(model: str, args, vocab: int) -> dict:
             bws.append(lb / lt)
             ratios.append(bws[-1] / ref.bandwidth(lb))
     llm.shutdown()
+    if not ratios:
+        raise SystemExit(
+            "measurement 3c loaded nothing: the tier did not hold the prompts after the filler; "
+            "raise --offload-gib or pass --skip evicted"
+        )
     print(f"  after eviction: load / same-bytes copy = {statistics.median(ratios):.2f}")
     return {
         "measured_hit_rate": statistics.mean(hits),
