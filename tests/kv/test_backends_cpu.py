@@ -106,3 +106,14 @@ def test_checksum_samples_every_block_and_sees_any_sampled_word(blocks_per_chunk
             changed = chunk.clone()
             changed[a // 8 + w] += 1 << (w * 7)
             assert chunk_checksum(changed, blocks_per_chunk) != base, (a, w)
+
+
+def test_checksum_of_a_small_ragged_chunk_covers_its_last_bytes() -> None:
+    """A chunk hashed whole whose size is not a multiple of 8: its tail bytes count too, and
+    the batched form agrees with the single-chunk one."""
+    rows = torch.arange(3 * 20, dtype=torch.uint8).view(3, 20)  # 20 bytes: 2 words + 4 bytes
+    base = chunk_checksum(rows[1])
+    changed = rows[1].clone()
+    changed[-1] += 1
+    assert chunk_checksum(changed) != base
+    assert slot_checksums(rows, [1, 2]) == [base, chunk_checksum(rows[2])]

@@ -51,7 +51,7 @@ def _word_index(chunk_bytes: int, blocks_per_chunk: int) -> np.ndarray:
     """Indices of the sampled 64-bit words in a chunk seen as ``uint64``."""
     starts = piece_starts(chunk_bytes, blocks_per_chunk)
     if len(starts) == 1:
-        return np.arange(chunk_bytes // 8)
+        return np.arange(-(-chunk_bytes // 8))  # a ragged tail is one zero-padded word
     return (np.asarray(starts)[:, None] // 8 + np.arange(_WORDS_PER_PIECE)).reshape(-1)
 
 
