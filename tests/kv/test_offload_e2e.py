@@ -40,6 +40,19 @@ def make_llm(model_dir, num_kv_blocks: int, **kw) -> LLM:
     )
 
 
+def primary_hit(model_dir, warm: list[int], prompt: list[int], max_tokens: int,
+                **kw) -> RequestOutput:  # fmt: skip
+    """``prompt`` run after ``warm`` on an engine whose primary pool (``kw``) holds both: the
+    primary-pool-hit answer to compare a tier hit with."""
+    big = make_llm(model_dir, **kw)
+    try:
+        run(big, [warm], 1)
+        (out,) = run(big, [prompt], max_tokens)
+        return out
+    finally:
+        big.shutdown()
+
+
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int, abort: set[int] = frozenset(),
         abort_at_step: int = 1) -> list[RequestOutput | None]:  # fmt: skip
     """Run prompts concurrently; aborts prompts with index in ``abort`` after some steps."""
@@ -96,13 +109,8 @@ def test_prefix_from_tier_equals_primary_and_recompute(tiny_model_dir, reference
         assert ob.metrics.num_external_cached_tokens >= 96
         assert ob.metrics.num_cached_tokens + ob.metrics.num_external_cached_tokens <= len(b) - 1
         # Primary-pool hit of the same prompt in a large pool.
-        big = make_llm(tiny_model_dir, num_kv_blocks=256)
-        try:
-            run(big, [a], 1)
-            (ob_primary,) = run(big, [b], 6)
-            assert ob_primary.metrics.num_cached_tokens >= 112
-        finally:
-            big.shutdown()
+        ob_primary = primary_hit(tiny_model_dir, a, b, 6, num_kv_blocks=256)
+        assert ob_primary.metrics.num_cached_tokens >= 112
         want = ref_tokens(reference, [a, b], 6)
         assert oa.outputs[0].token_ids == want[0]
         assert ob.outputs[0].token_ids == want[1] == ob_primary.outputs[0].token_ids
@@ -131,13 +139,10 @@ def test_large_chunks_from_tier_equal_primary_and_recompute(tiny_model_dir, refe
         assert hit < 256 and ext > 0 and hit + ext == 512  # whole chunks of the tier
         want = ref_tokens(reference, [a, b], 4)
         assert oa.outputs[0].token_ids == want[0] and ob.outputs[0].token_ids == want[1]
-        big = make_llm(tiny_model_dir, num_kv_blocks=128, kv_offload_block_size=256)
-        try:
-            run(big, [a], 1)
-            (ob_primary,) = run(big, [b], 4)
-            assert ob_primary.metrics.num_cached_tokens >= 592
-        finally:
-            big.shutdown()
+        ob_primary = primary_hit(
+            tiny_model_dir, a, b, 4, num_kv_blocks=128, kv_offload_block_size=256
+        )
+        assert ob_primary.metrics.num_cached_tokens >= 592
         assert ob_primary.outputs[0].token_ids == want[1]
         # Two chunks were loaded, the first only past the primary hit.
         st = llm.get_stats().connector

@@ -43,6 +43,22 @@ def wait_results(worker, n: int) -> list:
     raise AssertionError(f"only {len(out)} of {n} results")
 
 
+def hold_at_gate(worker: CpuTransferWorker, batches: list | None = None) -> threading.Event:
+    """Hold the worker's thread at the returned gate before each batch it runs (so a test can
+    observe the queue), recording each batch's job ids in ``batches``."""
+    gate = threading.Event()
+    real_run = worker._run
+
+    def gated(batch):
+        if batches is not None:
+            batches.append([j.job_id for j in batch])
+        gate.wait(10)
+        return real_run(batch)
+
+    worker._run = gated
+    return gate
+
+
 def test_block_runs() -> None:
     assert block_runs([5, 6, 7, 1], [0, 1, 2, 3]) == [(5, 0, 3), (1, 3, 1)]
     assert block_runs([3, 2, 1], [2, 1, 0]) == [(1, 0, 3)]  # sorted by destination
@@ -172,14 +188,7 @@ def test_cancel_and_flush() -> None:
     kv = kv_cache(5)
     tier = tier_for(kv, 1, slots=8)
     worker = CpuTransferWorker(kv, tier)
-    gate = threading.Event()
-    real_run = worker._run
-
-    def gated(batch):
-        gate.wait(10)
-        return real_run(batch)
-
-    worker._run = gated  # hold the thread on the first job to observe the queue
+    gate = hold_at_gate(worker)
     try:
         worker.submit(TransferJob(0, True, [ChunkCopy(0, bytes([0]), [1])]))
         threading.Event().wait(0.05)  # job 0 started (a batch of its own), held at the gate
@@ -205,9 +214,7 @@ def test_shutdown_cancels_queued_jobs() -> None:
     kv = kv_cache(6)
     tier = tier_for(kv, 1, slots=4)
     worker = CpuTransferWorker(kv, tier)
-    gate = threading.Event()
-    real_run = worker._run
-    worker._run = lambda batch: (gate.wait(10), real_run(batch))[1]
+    gate = hold_at_gate(worker)
     worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
     threading.Event().wait(0.05)  # job 0 started, held at the gate
     worker.submit(TransferJob(1, True, [ChunkCopy(1, b"b", [2])]))
@@ -244,9 +251,7 @@ def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
     kv = kv_cache(9)
     tier = tier_for(kv, 1, slots=2)
     worker = CpuTransferWorker(kv, tier)
-    gate = threading.Event()
-    real_run = worker._run
-    worker._run = lambda batch: (gate.wait(10), real_run(batch))[1]
+    gate = hold_at_gate(worker)
     try:
         worker.wait_any(10)  # nothing in flight: returns at once
         worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
@@ -314,15 +319,8 @@ def test_queued_jobs_of_one_direction_run_as_one_batch() -> None:
     tier.record(list(range(6)), keys)
     dst = torch.zeros_like(kv)
     worker = CpuTransferWorker(dst, tier)
-    gate, batches = threading.Event(), []
-    real_run = worker._run
-
-    def gated(batch):
-        batches.append([j.job_id for j in batch])
-        gate.wait(10)
-        return real_run(batch)
-
-    worker._run = gated
+    batches: list[list[int]] = []
+    gate = hold_at_gate(worker, batches)
     try:
         worker.submit(TransferJob(0, False, [ChunkCopy(0, keys[0], [1, 2])]))
         threading.Event().wait(0.05)  # job 0 runs alone, held at the gate
