@@ -10,7 +10,7 @@ import torch
 
 from kvserve.kv.backends.base import ChunkLayout
 from kvserve.kv.backends.cpu import CpuBackend
-from kvserve.kv.offload.block_copy import block_runs, copy_blocks
+from kvserve.kv.offload.block_copy import CopyThreads, block_runs, copy_blocks, split_segments
 from kvserve.kv.offload.worker import (
     ChunkCopy,
     CpuTransferWorker,
@@ -268,22 +268,39 @@ def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
         worker.shutdown()
 
 
+@pytest.mark.parametrize("num_threads", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_parallel_copy_matches_reference(monkeypatch, dtype) -> None:
-    """Loads copy long runs with torch's threads: same bytes as the one-thread path."""
+def test_threaded_copy_matches_reference(monkeypatch, dtype, num_threads) -> None:
+    """Loads split their copies by bytes across threads: same bytes as the one-thread path,
+    runs cut mid-block included."""
     from kvserve.kv.offload import block_copy
 
-    monkeypatch.setattr(block_copy, "PARALLEL_MIN_BYTES", 3 * SHAPE_BYTES[dtype])
+    monkeypatch.setattr(block_copy, "PARALLEL_MIN_BYTES", 1)
     src = kv_cache(4, dtype)
     src_ids = [2, 3, 4, 5, 9, 10, 15, 1, 7, 8]
     dst_ids = [10, 11, 12, 13, 0, 1, 20, 5, 16, 17]  # runs of 4, 2, 1, 1, 2 blocks
     got, ref = torch.zeros_like(src), torch.zeros_like(src)
-    assert copy_blocks(src, got, src_ids, dst_ids, parallel=True) == copy_blocks(
-        src, ref, src_ids, dst_ids
-    )
+    threads = CopyThreads(num_threads)
+    try:
+        assert copy_blocks(src, got, src_ids, dst_ids, threads=threads) == copy_blocks(
+            src, ref, src_ids, dst_ids
+        )
+    finally:
+        threads.shutdown()
     assert torch.equal(got, ref)
     for s, d in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(got[d], src[s])
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_split_segments_covers_each_byte_once(parts: int) -> None:
+    segments = [(0, 100, 10), (50, 0, 3), (20, 40, 25), (90, 70, 1)]
+    split = split_segments(segments, parts)
+    assert len(split) == parts
+    sizes = [sum(n for _, _, n in p) for p in split]
+    assert max(sizes) - min(sizes) <= max(1, -(-39 // parts))  # even, up to the last part
+    pairs = [(s + i, d + i) for p in split for s, d, n in p for i in range(n)]
+    assert pairs == [(s + i, d + i) for s, d, n in segments for i in range(n)]
 
 
 SHAPE_BYTES = {

@@ -48,6 +48,10 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
+def _block_id(block: KVCacheBlock) -> int:
+    return block.block_id
+
+
 class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks; O(1) pop at the head, append, removal from the middle.
 
@@ -287,13 +291,18 @@ class BlockPool:
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         removed: list[BlockHash] = []
-        for block in blocks:
+        for block in blocks:  # evicted in LRU order (and so reported)
             assert block.ref_cnt == 0, block
             h = self._uncache(block)
             if h is not None:
                 removed.append(h)
             block.ref_cnt = 1
         self._emit_removed(removed)
+        # Which blocks are evicted is the LRU's choice; which of them holds which position of
+        # the block table is ours: ascending ids. Requests free their blocks tail-first, so
+        # the queue holds descending runs; handed out as popped, every block of a new table
+        # would be a run of its own, and a load into it one copy per block.
+        blocks.sort(key=_block_id)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

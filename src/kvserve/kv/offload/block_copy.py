@@ -8,22 +8,80 @@ project's 2-core CPU machine, torch's per-call overhead on a block (a parallel r
 64 KiB) and its indexing kernels (``index_put_``, ``index_select(out=)``, ``index_copy_``) were
 all measured slower than that.
 
-``parallel=True`` (loads: a request waits for them) copies runs of at least
-:data:`PARALLEL_MIN_BYTES` with torch's intra-op threads instead (measured ~9 GB/s for 1 MiB
-runs on 2 cores vs ~5.5 GB/s for one thread); stores stay on one thread so that they take one
-core at most from the forward pass they overlap.
+With :class:`CopyThreads` (loads: a request waits for them) a host-to-host copy is cut into
+equal byte ranges, one per thread, each a few memcpys by numpy (which releases the GIL). torch's
+threaded ``copy_`` per run was the earlier way; called from the transfer thread it starts an
+OpenMP team that competes with the engine thread's, and a load of ~50 runs per 64 MiB (the
+primary pool's LRU blocks in steady state) measured 3.1-4.1 GB/s that way vs 4.5-6.4 GB/s
+split by bytes (memcpy: ~8.5). Stores copy on one thread, so that they take one core at most
+from the forward pass they overlap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-# Smallest run copied with torch's thread pool when ``parallel``: below it the pool's start-up
-# costs more than the second core gains (a 64 KiB run copies at ~3 GB/s through torch).
-PARALLEL_MIN_BYTES = 512 << 10
+# Smallest copy split across threads: below it, handing a range to another thread costs more
+# than the second core gains.
+PARALLEL_MIN_BYTES = 1 << 20
+
+Segment = tuple[int, int, int]  # (source byte offset, destination byte offset, bytes)
+
+
+class CopyThreads:
+    """``num_threads`` copiers: the calling thread and ``num_threads - 1`` pooled ones."""
+
+    def __init__(self, num_threads: int) -> None:
+        if num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+        self.num_threads = num_threads
+        self._pool = (
+            ThreadPoolExecutor(num_threads - 1, thread_name_prefix="kv-copy")
+            if num_threads > 1
+            else None
+        )
+
+    def copy(self, src: np.ndarray, dst: np.ndarray, segments: list[Segment]) -> None:
+        """Copy byte ``segments`` of flat ``src`` into flat ``dst``, split evenly by bytes."""
+        total = sum(n for _, _, n in segments)
+        if self._pool is None or total < PARALLEL_MIN_BYTES:
+            _copy_segments(src, dst, segments)
+            return
+        first, *rest = split_segments(segments, self.num_threads)
+        futures = [self._pool.submit(_copy_segments, src, dst, part) for part in rest]
+        _copy_segments(src, dst, first)
+        for f in futures:
+            f.result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _copy_segments(src: np.ndarray, dst: np.ndarray, segments: list[Segment]) -> None:
+    for s, d, n in segments:
+        dst[d : d + n] = src[s : s + n]
+
+
+def split_segments(segments: list[Segment], parts: int) -> list[list[Segment]]:
+    """``segments`` cut into ``parts`` lists of (nearly) equal bytes, in order; a segment may
+    be split between two lists."""
+    total = sum(n for _, _, n in segments)
+    quota = -(-total // parts)
+    out: list[list[Segment]] = [[] for _ in range(parts)]
+    part, room = 0, quota
+    for s, d, n in segments:
+        while n:
+            take = min(n, room)
+            out[part].append((s, d, take))
+            s, d, n, room = s + take, d + take, n - take, room - take
+            if room == 0 and part < parts - 1:
+                part, room = part + 1, quota
+    return out
 
 
 def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -52,27 +110,25 @@ def copy_blocks(
     dst_ids: Sequence[int],
     *,
     non_blocking: bool = False,
-    parallel: bool = False,
+    threads: CopyThreads | None = None,
 ) -> int:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; returns the bytes copied.
 
-    ``parallel``: host-to-host runs of at least :data:`PARALLEL_MIN_BYTES` use torch's
-    intra-op threads (all cores) rather than one thread."""
+    ``threads``: host-to-host copies are split by bytes across them (else one thread)."""
     runs = block_runs(src_ids, dst_ids)
     n_src, n_dst = src.shape[0], dst.shape[0]
     for s, d, n in runs:  # numpy and torch would silently shorten an out-of-range slice
         if s < 0 or d < 0 or s + n > n_src or d + n > n_dst:
             raise IndexError(f"block run {s}->{d} (x{n}) out of range ({n_src} -> {n_dst})")
     if src.device.type == "cpu" and dst.device.type == "cpu":
-        # Host to host: plain byte rows, copied by numpy (a memcpy per run, no thread pool),
-        # or by torch's threads for long runs of a parallel copy.
         s_np, d_np = as_byte_rows(src), as_byte_rows(dst)
-        min_rows = -(-PARALLEL_MIN_BYTES // s_np.shape[1])
-        for s, d, n in runs:
-            if parallel and n >= min_rows:
-                dst[d : d + n].copy_(src[s : s + n])  # torch: every core
-            else:
-                d_np[d : d + n] = s_np[s : s + n]
+        row = s_np.shape[1]
+        segments = [(s * row, d * row, n * row) for s, d, n in runs]
+        flat_src, flat_dst = s_np.reshape(-1), d_np.reshape(-1)
+        if threads is None:
+            _copy_segments(flat_src, flat_dst, segments)
+        else:
+            threads.copy(flat_src, flat_dst, segments)
     else:
         for s, d, n in runs:
             dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)

@@ -10,10 +10,10 @@ requests or eviction. A job copies whole engine blocks of a few chunks in one di
 On the CPU a background thread runs jobs in submission order (copies release the GIL, so they
 overlap the forward pass); a step's loads or stores run as one batch. A store copies on that
 one thread (it overlaps the next forward pass and takes at most one core from it; making the
-forward wait for it instead was measured no better), a load (requests wait for it) copies long
-runs with every core. On CUDA each job goes to a stream of a pool, ordered by events: a store
-first waits for the compute stream (the forward that wrote its blocks), and completion is
-polled with ``Event.query()``. ``poll`` never blocks; ``wait`` does
+forward wait for it instead was measured no better), a load (requests wait for it) is split by
+bytes across copy threads, one per core. On CUDA each job goes to a stream of a pool, ordered
+by events: a store first waits for the compute stream (the forward that wrote its blocks), and
+completion is polled with ``Event.query()``. ``poll`` never blocks; ``wait`` does
 (flush before a preempted request's blocks are reused); ``wait_any`` blocks, bounded, until some
 job ends (an idle engine sleeps on it instead of spinning); ``cancel`` drops jobs not yet
 started.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.kv.backends.cpu import CpuBackend
-from kvserve.kv.offload.block_copy import copy_blocks
+from kvserve.kv.offload.block_copy import CopyThreads, copy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +115,12 @@ class CpuTransferWorker(TransferWorker):
 
     # Largest batch, in blocks (a batch in progress cannot be cancelled).
     max_batch_blocks = 4096
+    # Most threads a load copies with (host memory bandwidth is reached well before).
+    max_copy_threads = 8
 
     def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend) -> None:
         super().__init__(kv_cache, tier)
+        self._copy_threads = CopyThreads(min(torch.get_num_threads(), self.max_copy_threads))
         self._cond = threading.Condition()
         self._queue: deque[TransferJob] = deque()
         self._inflight: set[int] = set()  # submitted, result not produced yet
@@ -165,6 +168,7 @@ class CpuTransferWorker(TransferWorker):
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        self._copy_threads.shutdown()
 
     def _finish(self, result: TransferResult) -> None:
         """Publish a result; the caller holds ``_cond``."""
@@ -223,7 +227,7 @@ class CpuTransferWorker(TransferWorker):
             if copying:
                 copy_blocks(
                     tier.blocks, self.kv_cache, _tier_ids(tier, copying),
-                    [b for c in copying for b in c.block_ids], parallel=True,
+                    [b for c in copying for b in c.block_ids], threads=self._copy_threads,
                 )  # fmt: skip
         seconds = time.perf_counter() - t0
         block_bytes = tier.layout.block_bytes
