@@ -34,6 +34,7 @@ import platform
 import random
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -176,7 +177,7 @@ class ConnectorAccounting:
             if name.startswith("_") or not callable(fn):
                 continue
             setattr(connector, name, self._timed(fn))
-        self._tid = connector.worker._thread.native_id
+        self._worker_thread = connector.worker._thread
 
     def _timed(self, fn):
         def wrapper(*a, **kw):
@@ -193,8 +194,16 @@ class ConnectorAccounting:
         return wrapper
 
     def transfer_thread_cpu_s(self) -> float:
-        with open(f"/proc/self/task/{self._tid}/schedstat") as f:
-            return int(f.read().split()[0]) / 1e9
+        """CPU time of the transfer thread and of its copy threads."""
+        ns = 0
+        for t in threading.enumerate():
+            if t is self._worker_thread or t.name.startswith("kv-copy"):
+                try:
+                    with open(f"/proc/self/task/{t.native_id}/schedstat") as f:
+                        ns += int(f.read().split()[0])
+                except OSError:  # the thread ended
+                    pass
+        return ns / 1e9
 
     def snapshot(self) -> tuple[float, float]:
         return self.engine_thread_s, self.transfer_thread_cpu_s()
@@ -240,7 +249,7 @@ def bench_overhead(model: str, args, vocab: int) -> dict:
         engine.connector = engine.scheduler.connector = connector if on else None
 
     rng = random.Random(1)
-    n, length = args.requests, args.prompt_len
+    n, length = args.overhead_requests, args.prompt_len
     for on in (True, False):  # warm up both
         offload(on)
         timed_generate(llm, prompts_of(rng, 4, length, vocab))
@@ -434,6 +443,10 @@ def main() -> None:
     ap.add_argument(
         "--overhead-reps", type=int, default=15, help="runs per side of measurement 1 (a ~1%% "
         "effect under run-to-run noise of ~10%% on a shared 2-core machine needs many)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--overhead-requests", type=int, default=64, help="prompts per run of measurement 1 "
+        "(a run ends waiting for its last step's stores: long runs measure the steady state)",
     )  # fmt: skip
     ap.add_argument("--hit-rates", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 2000])

@@ -7,7 +7,12 @@ import torch
 
 from kvserve.kv.backends import create_backend
 from kvserve.kv.backends.base import ChunkHeader, ChunkLayout
-from kvserve.kv.backends.checksum import chunk_checksum, piece_starts, slot_checksums
+from kvserve.kv.backends.checksum import (
+    block_checksums,
+    chunk_checksum,
+    piece_starts,
+    slot_checksums,
+)
 from kvserve.kv.backends.cpu import CpuBackend
 
 LAYOUT = ChunkLayout(
@@ -117,3 +122,25 @@ def test_checksum_of_a_small_ragged_chunk_covers_its_last_bytes() -> None:
     changed[-1] += 1
     assert chunk_checksum(changed) != base
     assert slot_checksums(rows, [1, 2]) == [base, chunk_checksum(rows[2])]
+
+
+@pytest.mark.parametrize(
+    ("block_bytes", "blocks_per_chunk"), [(4096, 1), (4096, 3), (4096, 16), (64, 2), (24, 2)]
+)
+def test_checksum_of_source_blocks_equals_checksum_of_the_slot(
+    block_bytes: int, blocks_per_chunk: int
+) -> None:
+    """A store records checksums computed from the primary pool's blocks (scattered, any
+    order); they equal the checksums of the slots the blocks are copied into, large chunks
+    (sampled) and small ones (hashed whole) alike. Ragged blocks and partial chunks: None."""
+    torch.manual_seed(block_bytes + blocks_per_chunk)
+    pool = torch.randint(0, 256, (40, block_bytes), dtype=torch.uint8)
+    chunks = [[7, 3, 30, 12, 5, 9, 1, 2, 8, 11, 13, 14, 15, 16, 17, 18][:blocks_per_chunk],
+              list(range(20, 20 + blocks_per_chunk))]  # fmt: skip
+    slots = torch.stack([pool[c].reshape(-1) for c in chunks])
+    got = block_checksums(pool, chunks, blocks_per_chunk)
+    if block_bytes % 8:
+        assert got is None
+        return
+    assert got == slot_checksums(slots, [0, 1], blocks_per_chunk)
+    assert block_checksums(pool, [chunks[0][:-1] or [0, 0]], blocks_per_chunk) is None

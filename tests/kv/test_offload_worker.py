@@ -268,6 +268,34 @@ def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
         worker.shutdown()
 
 
+def test_store_whose_copy_went_wrong_fails_the_load(monkeypatch) -> None:
+    """A store records the checksum of what it meant to write (its source blocks), not of
+    what landed: a copy that skipped a block is caught when the chunk is loaded."""
+    from kvserve.kv.offload import worker as worker_module
+
+    real_copy = worker_module.copy_blocks
+
+    def drops_last_block(src, dst, src_ids, dst_ids, **kw):
+        return real_copy(src, dst, src_ids[:-1], dst_ids[:-1], **kw)
+
+    kv = kv_cache(6)
+    tier = tier_for(kv, 2, slots=4)
+    worker = make_transfer_worker(kv, tier)
+    try:
+        monkeypatch.setattr(worker_module, "copy_blocks", drops_last_block)
+        worker.submit(TransferJob(1, True, [ChunkCopy(1, b"k", [3, 4])]))
+        (res,) = wait_results(worker, 1)
+        assert res.ok  # the store cannot tell
+        monkeypatch.setattr(worker_module, "copy_blocks", real_copy)
+        before = kv.clone()
+        worker.submit(TransferJob(2, False, [ChunkCopy(1, b"k", [10, 11])]))
+        (res,) = wait_results(worker, 1)
+        assert not res.ok and res.bad_chunks == [0]
+        assert torch.equal(kv, before)  # nothing copied from the bad chunk
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("num_threads", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threaded_copy_matches_reference(monkeypatch, dtype, num_threads) -> None:

@@ -99,3 +99,31 @@ def slot_checksums(
     else:
         rows = np.asarray(slots, dtype=np.intp)
     return _hash_rows(_as_words(table), rows, widx)
+
+
+def block_checksums(
+    blocks_u8: torch.Tensor, chunk_block_ids: Sequence[Sequence[int]], blocks_per_chunk: int
+) -> list[int] | None:
+    """Checksums of chunks not yet in a slot: chunk ``i`` is made of the blocks
+    ``chunk_block_ids[i]`` (``blocks_per_chunk`` each) of ``blocks_u8``, the primary pool as
+    ``[num_blocks, block_bytes]``. Equal to :func:`slot_checksums` of the slots they are copied
+    to. A store records these (the bytes it meant to write, read where they are still warm)
+    rather than re-reading the slots it wrote. None when a block's size is not a multiple of 8
+    bytes (a sampled word could straddle two blocks) or a chunk is partial: hash the slots."""
+    if not chunk_block_ids:
+        return []
+    table = blocks_u8.numpy()
+    block_bytes = table.shape[1]
+    if block_bytes % 8:
+        return None
+    if any(len(c) != blocks_per_chunk for c in chunk_block_ids):
+        return None  # a partial chunk: its slot's other blocks are not in the source
+    ids = np.asarray(chunk_block_ids, dtype=np.intp)
+    words = table.view(np.uint64)
+    block_words = words.shape[1]
+    widx = _word_index(block_bytes * blocks_per_chunk, blocks_per_chunk)
+    # Word w of a chunk is word w % block_words of its block w // block_words.
+    flat = ids[:, widx // block_words] * block_words + (widx % block_words)[None, :]
+    sampled = words.reshape(-1).take(flat)
+    with np.errstate(over="ignore"):
+        return (sampled * _multipliers(widx.shape[0])).sum(axis=1, dtype=np.uint64).tolist()

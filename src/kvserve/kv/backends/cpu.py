@@ -108,9 +108,12 @@ class CpuBackend(Backend):
             model=self.model,
         )
 
-    def record(self, slots: list[int], keys: list[bytes]) -> None:
-        """Headers for slots just written through :attr:`blocks` (checksums computed here)."""
-        sums = slot_checksums(self.slots_u8, slots, self._k)
+    def record(
+        self, slots: list[int], keys: list[bytes], checksums: list[int] | None = None
+    ) -> None:
+        """Headers for slots just written through :attr:`blocks`: ``checksums`` of what was
+        meant to be written (:func:`block_checksums` of the source), else hashed here."""
+        sums = slot_checksums(self.slots_u8, slots, self._k) if checksums is None else checksums
         for s, k, c in zip(slots, keys, sums, strict=True):
             self.set_header(s, k, c)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.backends.checksum import block_checksums
 from kvserve.kv.backends.cpu import CpuBackend
 from kvserve.kv.offload.block_copy import CopyThreads, copy_blocks
 
@@ -120,6 +121,7 @@ class CpuTransferWorker(TransferWorker):
 
     def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend) -> None:
         super().__init__(kv_cache, tier)
+        self._kv_u8 = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
         self._copy_threads = CopyThreads(min(torch.get_num_threads(), self.max_copy_threads))
         self._cond = threading.Condition()
         self._queue: deque[TransferJob] = deque()
@@ -219,7 +221,11 @@ class CpuTransferWorker(TransferWorker):
                 self.kv_cache, tier.blocks, [b for c in chunks for b in c.block_ids],
                 _tier_ids(tier, chunks),
             )  # fmt: skip
-            tier.record([c.slot for c in chunks], [c.key for c in chunks])
+            # Checksums of the source: a copy that went wrong fails the load's verification.
+            sums = block_checksums(
+                self._kv_u8, [c.block_ids for c in chunks], tier.layout.blocks_per_chunk
+            )
+            tier.record([c.slot for c in chunks], [c.key for c in chunks], sums)
             good = [True] * len(chunks)
         else:
             good = tier.verify([c.slot for c in chunks], [c.key for c in chunks])
