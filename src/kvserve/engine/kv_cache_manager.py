@@ -23,10 +23,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _block_id(block: KVCacheBlock) -> int:
-    return block.block_id
-
-
 @dataclass
 class PrefixCacheStats:
     """Cumulative prefix-cache counters of the primary pool (tokens)."""
@@ -190,10 +186,7 @@ class KVCacheManager:
             self.num_cached_block[rid] = len(computed)
         self._record_stats(request)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        # Which blocks are taken is the pool's (LRU) choice; in ascending id order a request's
-        # table is made of long runs of consecutive blocks, so offloading moves each run with
-        # one large copy instead of one copy per block.
-        new_blocks.sort(key=_block_id)
+        # (in ascending id order: the pool hands out the blocks it evicts sorted)
         req_blocks.extend(new_blocks)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
