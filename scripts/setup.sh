@@ -8,7 +8,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvserve-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+native=src/kvserve/kv/offload/_stream_copy.c  # compiled by `pip install -e` (setup.py)
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+    || [ "$native" -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # torch first, pinned: the CPU build on this machine's disk (a bare `torch` pulls CUDA wheels).
   .venv/bin/pip install -q "torch==2.13.0"

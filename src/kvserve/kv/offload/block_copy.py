@@ -2,19 +2,20 @@
 
 Both tensors are ``[num_blocks, *block_shape]`` with one contiguous block per row. A list of
 (source block, destination block) pairs becomes one copy per maximal run where both sides are
-consecutive: a memcpy of whole blocks (64 KiB to MiBs each), so the per-copy cost stays small
-against the copy itself. Host-to-host runs are copied through numpy byte views: on this
-project's 2-core CPU machine, torch's per-call overhead on a block (a parallel region even for
-64 KiB) and its indexing kernels (``index_put_``, ``index_select(out=)``, ``index_copy_``) were
-all measured slower than that.
+consecutive: one copy of whole blocks (64 KiB to MiBs each), so the per-copy cost stays small
+against the copy itself. Host-to-host runs become byte segments copied by the native
+``_stream_copy.copy_segments`` (streaming stores, no GIL; see its source for the measurements)
+or, where it was not built, by numpy's memcpy. torch's per-call overhead on a block (a parallel
+region even for 64 KiB) and its indexing kernels (``index_put_``, ``index_select(out=)``,
+``index_copy_``) were all measured slower than either on this project's 2-core CPU machine.
 
 With :class:`CopyThreads` (loads: a request waits for them) a host-to-host copy is cut into
-equal byte ranges, one per thread, each a few memcpys by numpy (which releases the GIL). torch's
-threaded ``copy_`` per run was the earlier way; called from the transfer thread it starts an
-OpenMP team that competes with the engine thread's, and a load of ~50 runs per 64 MiB (the
-primary pool's LRU blocks in steady state) measured 3.1-4.1 GB/s that way vs 4.5-6.4 GB/s
-split by bytes (memcpy: ~8.5). Stores copy on one thread, so that they take one core at most
-from the forward pass they overlap.
+equal byte ranges, one per thread. torch's threaded ``copy_`` per run was the earlier way;
+called from the transfer thread it starts an OpenMP team that competes with the engine thread's,
+and a load of ~50 runs per 64 MiB (the primary pool's LRU blocks in steady state) measured
+3.1-4.1 GB/s that way vs 4.5-6.4 GB/s split by bytes with numpy (torch's copy of one buffer:
+~8.5). Stores copy on one thread, so that they take one core at most from the forward pass they
+overlap.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+try:
+    from kvserve.kv.offload._stream_copy import copy_segments as _native_copy_segments
+except ImportError:  # built without a C compiler (setup.py marks the extension optional)
+    _native_copy_segments = None
+
+# Whether host copies use the native streaming-store copier (else numpy's memcpy).
+NATIVE = _native_copy_segments is not None
 
 # Smallest copy split across threads: below it, handing a range to another thread costs more
 # than the second core gains.
@@ -63,7 +72,13 @@ class CopyThreads:
 
 
 def _copy_segments(src: np.ndarray, dst: np.ndarray, segments: list[Segment]) -> None:
+    """Byte ``segments`` of flat uint8 ``src`` into ``dst``, bounds-checked, GIL released."""
+    if _native_copy_segments is not None:
+        _native_copy_segments(src, dst, np.asarray(segments, dtype=np.int64).reshape(-1), True)
+        return
     for s, d, n in segments:
+        if s < 0 or d < 0 or n < 0 or s + n > src.size or d + n > dst.size:
+            raise IndexError(f"segment {s}->{d} ({n} bytes) out of range")
         dst[d : d + n] = src[s : s + n]
 
 

@@ -8,15 +8,15 @@ requests or eviction. A job copies whole engine blocks of a few chunks in one di
   copied and are reported in ``bad_chunks`` (the caller turns them into a recompute).
 
 On the CPU a background thread runs jobs in submission order (copies release the GIL, so they
-overlap the forward pass); a step's loads or stores run as one batch. A store copies on that
-one thread (it overlaps the next forward pass and takes at most one core from it; making the
-forward wait for it instead was measured no better), a load (requests wait for it) is split by
-bytes across copy threads, one per core. On CUDA each job goes to a stream of a pool, ordered
-by events: a store first waits for the compute stream (the forward that wrote its blocks), and
-completion is polled with ``Event.query()``. ``poll`` never blocks; ``wait`` does
-(flush before a preempted request's blocks are reused); ``wait_any`` blocks, bounded, until some
-job ends (an idle engine sleeps on it instead of spinning); ``cancel`` drops jobs not yet
-started.
+overlap the forward pass); a step's loads or stores run as one batch, copied with streaming
+stores (:mod:`block_copy`). A store copies on that one thread (it overlaps the next forward
+pass and takes at most one core from it; making the forward wait for it instead was measured
+no better), a load (requests wait for it) is split by bytes across copy threads, one per core.
+On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
+compute stream (the forward that wrote its blocks), and completion is polled with
+``Event.query()``. ``poll`` never blocks; ``wait`` does (flush before a preempted request's
+blocks are reused); ``wait_any`` blocks, bounded, until some job ends (an idle engine sleeps on
+it instead of spinning); ``cancel`` drops jobs not yet started.
 """
 
 from __future__ import annotations
