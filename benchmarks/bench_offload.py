@@ -134,6 +134,10 @@ def transfer_path_bandwidth(model: str, args, reps: int = 7, scattered: bool = F
         t = time.perf_counter()
         out.copy_(src)
         t_mem.append(time.perf_counter() - t)
+        # torch's copy leaves its OpenMP team spinning for a few ms (libgomp's default wait
+        # policy), which would take a core from the next job's copy threads (measured: 6.5
+        # vs 9.0 GB/s): let it go idle first.
+        time.sleep(0.02)
     worker.shutdown()
     job_bw = nbytes / statistics.median(t_job)
     mem_bw = nbytes / statistics.median(t_mem)

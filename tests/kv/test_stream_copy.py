@@ -3,6 +3,8 @@ bounds checked before anything is written; and the numpy fallback where it is no
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -56,6 +58,35 @@ def test_matches_numpy_at_any_alignment(segments, nontemporal) -> None:
     assert np.array_equal(dst, want)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_threads_sharing_a_cursor_copy_each_segment_once(num_threads: int) -> None:
+    """Each thread claims segments through the shared cursor until none are left."""
+    rng = np.random.default_rng(num_threads)
+    src = rng.integers(0, 256, BUF, dtype=np.uint8)
+    dst = np.zeros(BUF, np.uint8)
+    lengths = rng.integers(1, 16_000, 60)  # 0.5 MB in all
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    segments = [(int(a), int(BUF - a - n), int(n)) for a, n in zip(starts, lengths, strict=True)]
+    want = reference(src, dst, segments)
+    flat, cursor = np.asarray(segments, np.int64).reshape(-1), np.zeros(1, np.int64)
+    threads = [
+        threading.Thread(target=native.copy_segments, args=(src, dst, flat, True, cursor))
+        for _ in range(num_threads)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert np.array_equal(dst, want)
+    assert cursor[0] == len(segments) + num_threads  # one failed claim per thread
+    dst[:] = 0
+    native.copy_segments(src, dst, flat, True, np.full(1, -3, np.int64))  # nothing to claim
+    native.copy_segments(src, dst, flat, True, np.full(1, len(segments), np.int64))
+    assert not dst.any()
+    with pytest.raises(ValueError, match="cursor"):
+        native.copy_segments(src, dst, flat, True, np.zeros(1, np.int32))
+
+
 def test_rejects_bad_segments_before_copying() -> None:
     src = np.arange(4096, dtype=np.uint64).view(np.uint8)
     dst = np.zeros(1024, np.uint8)
@@ -91,3 +122,13 @@ def test_numpy_fallback_copies_the_same_blocks(monkeypatch) -> None:
     with pytest.raises(IndexError, match="out of range"):
         flat = got.view(-1).view(torch.uint8).numpy()
         block_copy._copy_segments(flat, flat, [(0, 0, -1)])
+    # The fallback's threads claim pieces under a lock: same bytes.
+    monkeypatch.setattr(block_copy, "PARALLEL_MIN_BYTES", 1)
+    monkeypatch.setattr(block_copy, "PIECE_BYTES", 10_000)
+    threads = block_copy.CopyThreads(3)
+    try:
+        threaded = torch.zeros_like(src)
+        copy_blocks(src, threaded, src_ids, dst_ids, threads=threads)
+    finally:
+        threads.shutdown()
+    assert torch.equal(threaded, got)

@@ -4,8 +4,10 @@ Owns transfer jobs and their execution; knows slots and block ids, never keys' m
 requests or eviction. A job copies whole engine blocks of a few chunks in one direction:
 
 - store (primary -> tier): copy, then record each slot's header (key + checksum);
-- load (tier -> primary): verify each chunk's header first; chunks that do not verify are not
-  copied and are reported in ``bad_chunks`` (the caller turns them into a recompute).
+- load (tier -> primary): verify each chunk's header; chunks that do not verify are reported
+  in ``bad_chunks`` (the caller turns them into a recompute of their blocks). The CPU worker
+  verifies while its copy threads copy, so a bad chunk's bytes may reach its blocks; the CUDA
+  worker verifies before it queues the copies.
 
 On the CPU a background thread runs jobs in submission order (copies release the GIL, so they
 overlap the forward pass); a step's loads or stores run as one batch, copied with streaming
@@ -228,13 +230,17 @@ class CpuTransferWorker(TransferWorker):
             tier.record([c.slot for c in chunks], [c.key for c in chunks], sums)
             good = [True] * len(chunks)
         else:
-            good = tier.verify([c.slot for c in chunks], [c.key for c in chunks])
-            copying = [c for c, g in zip(chunks, good, strict=True) if g]
-            if copying:
-                copy_blocks(
-                    tier.blocks, self.kv_cache, _tier_ids(tier, copying),
-                    [b for c in copying for b in c.block_ids], threads=self._copy_threads,
-                )  # fmt: skip
+            # Every chunk is copied while this thread verifies them (the copy threads do not
+            # wait for it): a chunk that fails is reported bad, and the connector has its blocks
+            # and the request's later ones recomputed, so its copied bytes are never read.
+            good: list[bool] = []
+            copy_blocks(
+                tier.blocks, self.kv_cache, _tier_ids(tier, chunks),
+                [b for c in chunks for b in c.block_ids], threads=self._copy_threads,
+                alongside=lambda: good.extend(
+                    tier.verify([c.slot for c in chunks], [c.key for c in chunks])
+                ),
+            )  # fmt: skip
         seconds = time.perf_counter() - t0
         block_bytes = tier.layout.block_bytes
         total = sum(len(c.block_ids) for c, g in zip(chunks, good, strict=True) if g)
