@@ -627,6 +627,13 @@ def report(res: dict) -> str:
             "copies overlap the forward), as if every such ms were taken from the forward; "
             "memory-bandwidth contention is not counted."
         )
+    if "load_path" in res:
+        notes.append(
+            "- 3b: the worker's load job (verification on the transfer thread while the copy "
+            "threads copy) alone, alternating with a torch copy of the same bytes; each torch "
+            "copy is followed by a 20 ms pause, since its OpenMP team keeps spinning for a few "
+            "ms after it returns and would take a core from the next job."
+        )
     if notes:
         lines += ["", "Method notes:", "", *notes]
     return "\n".join(lines) + "\n"

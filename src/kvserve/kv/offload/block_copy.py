@@ -10,12 +10,12 @@ region even for 64 KiB) and its indexing kernels (``index_put_``, ``index_select
 ``index_copy_``) were all measured slower than either on this project's 2-core CPU machine.
 
 With :class:`CopyThreads` (loads: a request waits for them) a host-to-host copy is cut into
-equal byte ranges, one per thread. torch's threaded ``copy_`` per run was the earlier way;
-called from the transfer thread it starts an OpenMP team that competes with the engine thread's,
-and a load of ~50 runs per 64 MiB (the primary pool's LRU blocks in steady state) measured
-3.1-4.1 GB/s that way vs 4.5-6.4 GB/s split by bytes with numpy (torch's copy of one buffer:
-~8.5). Stores copy on one thread, so that they take one core at most from the forward pass they
-overlap.
+pieces that one thread per core claims until none are left. torch's threaded ``copy_`` per run
+was the earlier way; called from the transfer thread it starts an OpenMP team that competes
+with the engine thread's, and a load of ~50 runs per 64 MiB (the primary pool's LRU blocks in
+steady state) measured 3.1-4.1 GB/s that way vs 4.5-6.4 GB/s split by bytes with numpy (torch's
+copy of one buffer: ~8.5). Stores copy on one thread, so that they take one core at most from
+the forward pass they overlap.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ NATIVE = _native_copy_segments is not None
 # Smallest copy split across threads: below it, handing a range to another thread costs more
 # than the second core gains.
 PARALLEL_MIN_BYTES = 1 << 20
-# Bytes a copy thread takes at a time: small enough that the threads finish together (one may
-# start late, or first verify the load), large enough that a call's ~10 us stays under 1%.
+# Most bytes a copy thread claims at a time: small enough that the threads finish together
+# (one starts late, or first verifies the load), large enough to keep each copy long.
 PIECE_BYTES = 4 << 20
 
 Segment = tuple[int, int, int]  # (source byte offset, destination byte offset, bytes)
