@@ -13,7 +13,8 @@ On the CPU a background thread runs jobs in submission order (copies release the
 overlap the forward pass); a step's loads or stores run as one batch, copied with streaming
 stores (:mod:`block_copy`). A store copies on that one thread (it overlaps the next forward
 pass and takes at most one core from it; making the forward wait for it instead was measured
-no better), a load (requests wait for it) is split by bytes across copy threads, one per core.
+no better), a load (requests wait for it) is cut into pieces that copy threads, one per core,
+claim while the transfer thread verifies the chunks.
 On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
 compute stream (the forward that wrote its blocks), and completion is polled with
 ``Event.query()``. ``poll`` never blocks; ``wait`` does (flush before a preempted request's
