@@ -154,8 +154,9 @@ H100_LLAMA8B = LatencyModel(
 # relative error weighting, over whole ``engine.step()`` calls: prefills of 16..1024 tokens
 # and decode steps of batch 1..32 at contexts 32..1024; the engine thread's CPU time, since
 # the machine was shared; mean fit error 9.6%, max 30%). KV per token: 4 layers x 2 x 2 heads
-# x 64 x 4 bytes = 4 KiB. "Transfers" on a CPU engine are block copies within RAM: 4.3 GB/s
-# measured by the same script with the offload connector's ``copy_blocks``.
+# x 64 x 4 bytes = 4 KiB. "Transfers" on a CPU engine are block copies within RAM: 6.0 GB/s
+# measured by the same script with the offload connector's ``copy_blocks`` on one thread
+# (5.7-6.4 with streaming stores; it was 4.3 with numpy's memcpy).
 CPU_TINY = LatencyModel(
     name="cpu-tiny",
     fixed=10.8e-3,
@@ -164,7 +165,7 @@ CPU_TINY = LatencyModel(
     decode_per_seq=0.579e-3,
     decode_per_ctx=4.72e-6,
     kv_bytes_per_token=4096,
-    cpu_bandwidth=4.3 * GB,
+    cpu_bandwidth=6.0 * GB,
     transfer_latency=50e-6,
     max_model_len=2048,
     default_kv_tokens=262_144,
