@@ -59,7 +59,7 @@ static void stream_copy(char *dst, const char *src, size_t n)
 #endif
 }
 
-static PyObject *copy_segments(PyObject *self, PyObject *args)
+static PyObject *copy_segments(PyObject *Py_UNUSED(module), PyObject *args)
 {
     Py_buffer src, dst, seg, cur = {0};
     int nontemporal;
@@ -134,8 +134,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_stream_copy",
-    "Host-to-host KV block copies with non-temporal stores.", -1, methods,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_stream_copy",
+    .m_doc = "Host-to-host KV block copies with non-temporal stores.",
+    .m_size = -1,
+    .m_methods = methods,
 };
 
 PyMODINIT_FUNC PyInit__stream_copy(void) { return PyModule_Create(&module); }
