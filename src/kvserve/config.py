@@ -53,6 +53,10 @@ class EngineConfig:
     # tokens per offload chunk, a multiple of block_size (default for the offload connector:
     # DEFAULT_OFFLOAD_BLOCK_SIZE = 64, or block_size if larger)
     kv_offload_block_size: int | None = None
+    # Storage tiers below host memory, in lookup order (repeatable):
+    # disk:path=DIR,size=GiB | fs:path=DIR,size=GiB | redis:url=redis://HOST:PORT/0[,...]
+    kv_tier: list[str] = field(default_factory=list)
+    kv_tiers_config: str | None = None  # YAML file: a list of tiers ({type: disk, path: ...})
     # KV events publishing (ZMQ PUB, vLLM wire format).
     kv_events_endpoint: str | None = None  # e.g. tcp://*:5557
     kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
@@ -108,7 +112,10 @@ def add_dataclass_args(
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
-        if tp is bool:
+        if typing.get_origin(tp) is list:  # repeatable flag
+            (item,) = typing.get_args(tp)
+            parser.add_argument(flag, type=item, action="append", default=None)
+        elif tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
             parser.add_argument(flag, type=tp, default=default)
@@ -116,7 +123,11 @@ def add_dataclass_args(
 
 def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
     kwargs = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if hasattr(args, f.name)
+        # a repeatable flag never given: the field's default_factory applies
+        and not (getattr(args, f.name) is None and f.default_factory is not dataclasses.MISSING)
     }
     kwargs.update(overrides)
     return cls(**kwargs)
