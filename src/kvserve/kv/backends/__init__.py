@@ -1,5 +1,8 @@
-"""KV tier backends (host memory now; disk, shared file system and Redis fit the same
-:class:`~kvserve.kv.backends.base.Backend` interface), selected by name."""
+"""KV tier backends, selected by name: the host-memory tier (``cpu``, fixed slots,
+:class:`~kvserve.kv.backends.base.Backend`) and the storage tiers below it (``disk``, ``fs``,
+``redis``: key-addressed, :class:`~kvserve.kv.backends.storage.StorageBackend`). A new tier
+(object store, RDMA pool) registers here with :func:`register_backend`; the offloading
+manager and connector need no change."""
 
 from __future__ import annotations
 
@@ -8,7 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 BACKENDS: dict[str, Callable[..., Any]] = {}
-_BUILTIN = {"cpu": "kvserve.kv.backends.cpu"}
+_BUILTIN = {
+    "cpu": "kvserve.kv.backends.cpu",
+    "disk": "kvserve.kv.backends.disk",
+    "fs": "kvserve.kv.backends.fs",
+    "redis": "kvserve.kv.backends.redis",
+    "valkey": "kvserve.kv.backends.redis",
+}
 
 
 def register_backend(name: str) -> Callable[[type], type]:
@@ -20,7 +29,7 @@ def register_backend(name: str) -> Callable[[type], type]:
 
 
 def create_backend(name: str, *args: Any, **kwargs: Any) -> Any:
-    """Instantiate backend ``name`` (``cpu``, ...) with the backend's own arguments."""
+    """Instantiate backend ``name`` (``cpu``, ``disk``, ...) with the backend's own arguments."""
     if name not in BACKENDS and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
     if name not in BACKENDS:

@@ -1,0 +1,200 @@
+"""What a storage tier below host memory is: chunks addressed by key, verified on every read.
+
+Owns the :class:`StorageBackend` interface (disk, shared file system, Redis/Valkey implement
+it, one file each, registered by name in :mod:`kvserve.kv.backends`), its counters, and the
+parsing of tier specifications (``disk:path=/var/kv,size=64`` on the CLI, a dict in YAML or the
+offline API).
+
+Contract (every implementation, tested by ``tests/kv/test_storage_contract.py``):
+
+- keys are 32-byte chunk keys; values are :class:`ChunkCodec` payloads (``payload_bytes``);
+  what is stored is ``codec.header(key, payload) + payload``, written atomically (a reader
+  never sees a torn chunk: a rename, one SET, or a slot published only after its write);
+- :meth:`get` verifies the header and the full-content hash; a chunk that fails is a miss,
+  counted in ``corrupt`` and removed from the tier; it never raises for a missing or bad
+  chunk;
+- I/O errors (server down, disk full, permission denied) are caught, counted in ``errors``
+  and reported as misses / failed writes: a failing tier degrades to recompute;
+- methods block on I/O and are thread-safe: the storage worker calls them from its threads,
+  never from the engine's step;
+- a private tier (``shared = False``) reports the keys it evicted through :meth:`take_evicted`
+  (they become KV events); a shared tier cannot know what other instances evicted.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from kvserve.kv.backends.chunk_format import ChunkCodec
+
+GiB = 1 << 30
+
+
+@dataclass
+class TierStats:
+    """Monotonic counters of one tier (exported as ``kvserve:kv_tier_*{tier=...}``)."""
+
+    lookups: int = 0  # keys asked in exists()
+    hits: int = 0  # chunks read and verified
+    misses: int = 0  # chunks asked in get() and not served (absent, corrupt or error)
+    corrupt: int = 0  # chunks whose header or hash did not match (removed)
+    errors: int = 0  # I/O errors (each failed call or chunk)
+    read_bytes: int = 0
+    read_s: float = 0.0
+    written: int = 0  # chunks written
+    write_bytes: int = 0
+    write_s: float = 0.0
+    write_skipped: int = 0  # already present (shared tiers: another instance wrote it)
+    dropped: int = 0  # stores not attempted (queue full, over the watermark, too old)
+    evicted: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+class StorageBackend(ABC):
+    """A tier below host memory. Subclasses set the class attributes and implement the I/O."""
+
+    name: ClassVar[str]  # registry name: "disk", "fs", "redis"
+    # KV event medium: vLLM's storage convention, with our tier named in the event's `tier`.
+    medium: ClassVar[str] = "STORAGE"
+    locality: ClassVar[str] = "LOCAL"  # LOCAL (this node) | REMOTE (over the network)
+    shared: ClassVar[bool] = False  # written and read by several instances
+
+    def __init__(self, codec: ChunkCodec, *, tier_id: str | None = None) -> None:
+        self.codec = codec
+        # Names this tier in events and metrics; instances that share a tier agree on it
+        # (the path or URL, without credentials), which is how the router learns who shares.
+        self.tier_id = tier_id or self.name
+        self.stats = TierStats()
+        self._stats_lock = threading.Lock()
+        self._evicted: list[bytes] = []
+
+    # -- the I/O (blocking, thread-safe) ----------------------------------------------------
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of ``keys`` the tier holds (one batched round trip where
+        the medium allows). Presence only: :meth:`get` still verifies."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[bool]:
+        """Read and verify each chunk's payload into ``outs[i]`` (``payload_bytes`` each).
+        False: a miss (absent, corrupt — then removed —, or an I/O error); ``outs[i]`` may
+        then hold garbage and must not be used."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        """Store each payload under its key (skipping keys already held). True when the chunk
+        is in the tier afterwards."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Forget these chunks (found bad elsewhere, or asked by tests)."""
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes used, capacity in bytes; 0 when unbounded or unknown)."""
+        return 0, 0
+
+    def take_evicted(self) -> list[bytes]:
+        """Keys this tier evicted since the last call (private tiers)."""
+        with self._stats_lock:
+            out, self._evicted = self._evicted, []
+        return out
+
+    def close(self) -> None:  # noqa: B027
+        """Release files, connections and threads."""
+
+    # -- helpers for implementations ---------------------------------------------------------
+    def count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            s = self.stats
+            for k, v in deltas.items():
+                setattr(s, k, getattr(s, k) + v)
+
+    def note_evicted(self, keys: Sequence[bytes]) -> None:
+        with self._stats_lock:
+            self._evicted.extend(keys)
+            self.stats.evicted += len(keys)
+
+
+@dataclass
+class TierSpec:
+    """One configured tier: its backend name and the backend's own options."""
+
+    type: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """For logs: the options, secrets masked."""
+        opts = ",".join(
+            f"{k}={'***' if k in ('password', 'url') and '@' in str(v) else v}"
+            for k, v in self.options.items()
+        )
+        return f"{self.type}:{opts}" if opts else self.type
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from ``64`` (GiB, the unit of every size flag), ``"512MiB"``, ``"1.5GiB"``,
+    ``"2TB"``, ``"4096B"``."""
+    if isinstance(value, int | float):
+        return int(float(value) * GiB)
+    s = str(value).strip()
+    units = {
+        "tib": 1 << 40, "tb": 10**12, "gib": GiB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6,
+        "kib": 1 << 10, "kb": 10**3, "b": 1,
+    }  # fmt: skip
+    low = s.lower()
+    for unit, mult in units.items():
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)].strip()) * mult)
+    return int(float(s) * GiB)
+
+
+def parse_tier_spec(spec: str | dict[str, Any] | TierSpec) -> TierSpec:
+    """``"disk:path=/var/kv,size=64"`` or ``{"type": "disk", "path": ..., "size": ...}``."""
+    if isinstance(spec, TierSpec):
+        return spec
+    if isinstance(spec, dict):
+        opts = dict(spec)
+        kind = opts.pop("type", None)
+        if not kind:
+            raise ValueError(f"tier {spec!r} has no 'type'")
+        return TierSpec(str(kind), opts)
+    kind, _, rest = str(spec).partition(":")
+    opts: dict[str, Any] = {}
+    if rest:
+        # A URL may hold commas only in its query string: split on commas before a key=.
+        parts: list[str] = []
+        for piece in rest.split(","):
+            if parts and "=" not in piece:
+                parts[-1] += "," + piece
+            else:
+                parts.append(piece)
+        for part in parts:
+            k, eq, v = part.partition("=")
+            if not eq:
+                raise ValueError(f"tier option {part!r} in {spec!r} is not key=value")
+            opts[k.strip().replace("-", "_")] = v.strip()
+    if not kind.strip():
+        raise ValueError(f"tier spec {spec!r} has no type (e.g. disk:path=/var/kv,size=64)")
+    return TierSpec(kind.strip(), opts)
+
+
+def load_tier_specs(cli_specs: Sequence[str], config_file: str | None) -> list[TierSpec]:
+    """Tiers in lookup order: the YAML file's (a list, or ``{tiers: [...]}``), then the CLI's."""
+    specs: list[TierSpec] = []
+    if config_file:
+        import yaml
+
+        with open(config_file) as f:
+            doc = yaml.safe_load(f)
+        items = doc.get("tiers", []) if isinstance(doc, dict) else doc
+        if not isinstance(items, list):
+            raise ValueError(f"{config_file}: expected a list of tiers")
+        specs.extend(parse_tier_spec(item) for item in items)
+    specs.extend(parse_tier_spec(s) for s in cli_specs)
+    return specs
