@@ -51,14 +51,21 @@ class EngineStats:
 
 
 class _RequestState:
-    """Engine-side per-request state: detokenizer, stop-string bookkeeping, logprobs."""
+    """Engine-side per-request state: detokenizer, stop-string bookkeeping, logprobs.
 
-    __slots__ = ("request", "detok", "text", "sent_tokens", "logprobs", "cum_logprob")
+    ``text`` is everything decoded so far (cut at a stop string once one is found);
+    ``visible`` how much of it outputs have shown: while the request runs, a tail of
+    ``text`` that could still grow into a stop string is held back, so streamed text is
+    always a prefix of the final text.
+    """
+
+    __slots__ = ("request", "detok", "text", "visible", "sent_tokens", "logprobs", "cum_logprob")
 
     def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
         self.request = request
         self.detok = detok
         self.text = ""
+        self.visible = 0
         self.sent_tokens = 0
         self.logprobs: list[dict[int, float]] = []
         self.cum_logprob = 0.0
@@ -244,6 +251,8 @@ class LLMEngine:
         return outputs
 
     def _detokenize(self, st: _RequestState, req: Request, new_ids: list[int]) -> str:
+        """Extend ``st.text`` with ``new_ids``, apply stop strings; return the newly visible
+        text (the delta outputs stream)."""
         sp = req.sampling_params
         ids = new_ids
         stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and not isinstance(
@@ -263,16 +272,23 @@ class LLMEngine:
             if hit is not None:
                 pos, stop = hit
                 cut = pos + (len(stop) if sp.include_stop_str_in_output else 0)
-                full = st.text[:start] + window[:cut]
-                new_text = full[len(st.text) :]
-                st.text = full
+                st.text = st.text[:start] + window[:cut]
                 if not req.is_finished:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop
-                return new_text
-        st.text += new_text
-        return new_text
+            else:
+                st.text += new_text
+        else:
+            st.text += new_text
+        visible = len(st.text)
+        if sp.stop and not sp.include_stop_str_in_output and not req.is_finished:
+            # Text that may yet become a stop string is not shown (it would be cut).
+            # With include_stop_str_in_output everything shown stays: a stop's text is kept.
+            visible -= _partial_stop_len(st.text, sp.stop)
+        delta = st.text[st.visible : visible]
+        st.visible = max(st.visible, visible)
+        return delta
 
     def _request_output(
         self, st: _RequestState, req: Request, new_ids: list[int], new_text: str, finished: bool
@@ -297,7 +313,7 @@ class LLMEngine:
             metrics.finished_time = time.monotonic()
         comp = CompletionOutput(
             index=0,
-            text=st.text,
+            text=st.text[: st.visible],
             token_ids=list(req.output_token_ids),
             cumulative_logprob=st.cum_logprob if sp.logprobs is not None else None,
             logprobs=list(st.logprobs) if sp.logprobs is not None else None,
@@ -354,6 +370,23 @@ def _find_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
         i = text.find(s)
         if i >= 0 and (best is None or i < best[0]):
             best = (i, s)
+    return best
+
+
+def _partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    if not text:
+        return 0
+    last = text[-1]
+    best = 0
+    for s in stops:
+        # Candidates end where ``s`` has the text's last character, longest first.
+        k = s.rfind(last, 0, len(s) - 1)
+        while k + 1 > best:
+            if text.endswith(s[: k + 1]):
+                best = k + 1
+                break
+            k = s.rfind(last, 0, k)
     return best
 
 
