@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.cluster.kv_index import KVIndex, mask_weights, medium_bit
 from kvserve.cluster.prompt_keys import prompt_block_keys
-from kvserve.engine.hashing import hash_block_tokens, hash_to_int
+from kvserve.engine.hashing import hash_block_tokens, hash_to_int, salt_digest
 from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 
 # A copy of shared/fixtures (vLLM 0.32 capture; see tests/fixtures/README.md).
@@ -151,7 +151,7 @@ def test_lru_bound_per_endpoint() -> None:
 def test_extra_keys_and_sliding_window_events() -> None:
     idx = KVIndex()
     tokens = list(range(2 * BS))
-    idx.apply_events("a", [stored(tokens, [1, 2], extra_keys=[["salt"], None])])
+    idx.apply_events("a", [stored(tokens, [1, 2], extra_keys=[[salt_digest("salt")], None])])
     salted = prompt_block_keys(tokens + [0], BS, cache_salt="salt")
     plain = prompt_block_keys(tokens + [0], BS)
     assert idx.match("a", salted)[0] == 2 and idx.match("a", plain)[0] == 0

@@ -3,7 +3,7 @@
 import pytest
 
 from kvserve.engine.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvserve.engine.hashing import hash_block_tokens, hash_to_int
+from kvserve.engine.hashing import hash_block_tokens, hash_to_int, salt_digest
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.kv.events import (
@@ -114,7 +114,7 @@ def test_salted_request_events_carry_extra_keys():
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(req, blocks, 0, 2)
     (ev,) = pool.take_events()
-    assert ev.extra_keys == [["tenant-1"], None]
+    assert ev.extra_keys == [[salt_digest("tenant-1")], None]  # never the raw salt
     assert ev.block_hashes[0] != hash_to_int(hash_block_tokens(prompt, BS)[0])
     lora = make_request("b", prompt, lora_name="adapter")
     blocks = pool.get_new_blocks(2)

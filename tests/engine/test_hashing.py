@@ -11,10 +11,18 @@ from hypothesis import strategies as st
 
 from kvserve.engine.hashing import (
     BlockHasher,
+    block_extra_keys,
     hash_block_tokens,
     hash_to_int,
+    salt_digest,
     seed_hash,
 )
+
+
+def _salt_key(salt: str) -> str:
+    """Block 0's extra key of a salted request, as specs/kv-events.md's note fixes it."""
+    digest = hashlib.sha256(b"kvserve/cache_salt/v1\x00" + salt.encode()).hexdigest()
+    return "salt-sha256:" + digest
 
 
 def _reference(tokens, block_size, seed="kvserve", salt=None):
@@ -24,7 +32,7 @@ def _reference(tokens, block_size, seed="kvserve", salt=None):
         blk = tokens[i * block_size : (i + 1) * block_size]
         data = parent + struct.pack(f"<{block_size}I", *blk)
         if salt is not None and i == 0:
-            data += cbor2.dumps([salt])
+            data += cbor2.dumps([_salt_key(salt)])
         parent = hashlib.sha256(data).digest()
         out.append(parent)
     return out
@@ -44,6 +52,21 @@ def test_seed_and_salt_change_every_hash():
     assert salted == _reference(toks, 16, salt="tenant-a")
     assert not set(base) & set(seeded)
     assert not set(base) & set(salted)
+
+
+def test_salt_enters_the_chain_only_as_its_digest():
+    salt = "tenant-secret-7"
+    assert salt_digest(salt) == _salt_key(salt)
+    assert block_extra_keys(0, salt) == [_salt_key(salt)]
+    assert block_extra_keys(1, salt) is None
+    assert block_extra_keys(0, salt, "lora") == [_salt_key(salt), "lora"]
+    assert salt not in salt_digest(salt) and salt_digest(salt) != salt_digest(salt + "x")
+    assert salt_digest("a\ud800b").startswith("salt-sha256:")  # lone surrogate: no crash
+    toks = list(range(32))
+    assert hash_block_tokens(toks, 16, cache_salt=salt) == _reference(toks, 16, salt=salt)
+    # A salt equal to another salt's digest is a different tenant.
+    forged = hash_block_tokens(toks, 16, cache_salt=salt_digest(salt))
+    assert not set(forged) & set(hash_block_tokens(toks, 16, cache_salt=salt))
 
 
 def test_hash_to_int_is_last_eight_bytes_big_endian():

@@ -6,9 +6,13 @@ router (index keys). Must stay importable without torch.
 Hash of block i = SHA-256(parent || tokens || extra) where
 - parent is the 32-byte hash of block i-1, or for block 0 SHA-256 of the prefix-hash seed;
 - tokens are the block's token ids as little-endian uint32;
-- extra, present only when the block has extra keys (tenant ``cache_salt`` on block 0, LoRA
-  name, ...), is the CBOR encoding of the list of keys.
+- extra, present only when the block has extra keys (the tenant's salt digest on block 0,
+  LoRA name, ...), is the CBOR encoding of the list of keys.
 Only full blocks are hashed. Events and indexes use :func:`hash_to_int` (last 8 bytes, BE).
+
+A tenant's ``cache_salt`` never enters the chain (nor the KV events that carry the extra keys)
+in clear: block 0's extra key is :func:`salt_digest` of it, a fixed-format, domain-separated
+SHA-256 string that the router computes the same way from a request's salt.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import cbor2
 
 DEFAULT_PREFIX_HASH_SEED = "kvserve"
 HASH_BYTES = 32
+# Block 0's extra key of a salted request: this prefix, then 64 hex digits.
+SALT_DIGEST_PREFIX = "salt-sha256:"
+_SALT_DOMAIN = b"kvserve/cache_salt/v1\x00"
 
 BlockHash = bytes
 
@@ -54,13 +61,26 @@ def hash_block(
     return h.digest()
 
 
+@lru_cache(maxsize=4096)
+def salt_digest(cache_salt: str) -> str:
+    """The form of a tenant's ``cache_salt`` that is hashed and published: one-way, so KV
+    events and tier keys never reveal the salt, and the same in every process (no seed).
+
+    ``"salt-sha256:" + hex(SHA-256("kvserve/cache_salt/v1" NUL || UTF-8 salt))``; lone
+    surrogates (valid in JSON strings) are encoded as themselves rather than rejected.
+    """
+    data = cache_salt.encode("utf-8", "surrogatepass")
+    return SALT_DIGEST_PREFIX + hashlib.sha256(_SALT_DOMAIN + data).hexdigest()
+
+
 def block_extra_keys(
     block_index: int, cache_salt: str | None = None, lora_name: str | None = None
 ) -> list | None:
-    """Extra keys of one block: the tenant salt on block 0, the LoRA name on every block."""
+    """Extra keys of one block: the tenant salt's digest on block 0, the LoRA name on every
+    block. ``cache_salt`` is the raw salt (it is digested here)."""
     keys: list = []
     if block_index == 0 and cache_salt:
-        keys.append(cache_salt)
+        keys.append(salt_digest(cache_salt))
     if lora_name:
         keys.append(lora_name)
     return keys or None
