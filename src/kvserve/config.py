@@ -57,6 +57,9 @@ class EngineConfig:
     # disk:path=DIR,size=GiB | fs:path=DIR,size=GiB | redis:url=redis://HOST:PORT/0[,...]
     kv_tier: list[str] = field(default_factory=list)
     kv_tiers_config: str | None = None  # YAML file: a list of tiers ({type: disk, path: ...})
+    kv_tier_lookup_timeout: float = 0.5  # s; a storage lookup slower than this is a miss
+    kv_tier_io_threads: int = 4  # threads reading storage tiers (lookups, loads)
+    kv_tier_max_pending_writes: int = 256  # chunks queued for storage; more are dropped
     # KV events publishing (ZMQ PUB, vLLM wire format).
     kv_events_endpoint: str | None = None  # e.g. tcp://*:5557
     kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
@@ -69,6 +72,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if (self.kv_tier or self.kv_tiers_config) and self.kv_offload_size <= 0:
+            raise ValueError(
+                "storage tiers (kv_tier / kv_tiers_config) are staged through the host-memory "
+                "tier: set kv_offload_size > 0 (GiB) too"
+            )
         if self.kv_offload_size and not self.kv_connector:
             self.kv_connector = "offload"
         if self.kv_connector == "offload" and self.kv_offload_block_size is None:

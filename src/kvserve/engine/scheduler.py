@@ -236,10 +236,14 @@ class Scheduler:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_external, load_async = 0, False
                 if connector is not None:
-                    num_external, load_async = connector.get_num_new_matched_tokens(
-                        request, num_hit
-                    )
+                    matched, load_async = connector.get_num_new_matched_tokens(request, num_hit)
+                    if matched is None:
+                        # The connector is still looking (a storage tier): ask next step,
+                        # schedule the requests behind this one meanwhile.
+                        skipped.append(self.waiting.popleft())
+                        continue
                     # Never recompute less than one token.
+                    num_external = matched
                     num_external = max(0, min(num_external, request.num_tokens - 1 - num_hit))
                     load_async = load_async and num_external > 0
                 num_computed = num_hit + num_external

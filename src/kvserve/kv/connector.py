@@ -63,10 +63,12 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` (the primary-pool hit) this connector can
         provide, and whether they arrive asynchronously (request waits in
-        WAITING_FOR_REMOTE_KVS). Must respect "never recompute less than one token"."""
+        WAITING_FOR_REMOTE_KVS). Must respect "never recompute less than one token".
+        ``None``: not known yet (a lookup in a slow tier runs): the scheduler leaves the
+        request waiting, schedules the ones behind it, and asks again next step."""
 
     @abstractmethod
     def update_state_after_alloc(

@@ -11,9 +11,14 @@ from typing import Any
 
 import msgspec
 
-# Media. vLLM uses "GPU" and "CPU"; we add the lower tiers.
+# Media. vLLM uses "GPU" and "CPU", and "STORAGE" (with a locality) for tiers below host
+# memory; our storage tiers publish "STORAGE" and name themselves in ``tier`` (an extra field
+# that vLLM's decoder ignores): ``disk``/``fs``/``redis`` and, for a shared tier, its id
+# (``fs:/mnt/kv``, ``redis://host:6379/0``), which is how a router learns which endpoints share
+# it. DISK/FS/REDIS remain accepted from older publishers.
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 MEDIUM_DISK = "DISK"
 MEDIUM_FS = "FS"
 MEDIUM_REDIS = "REDIS"
@@ -35,12 +40,18 @@ class BlockStored(KVCacheEvent, kw_only=True):
     group_idx: int = 0
     kv_cache_spec_kind: str = "full_attention"
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # STORAGE: "LOCAL" | "REMOTE"
+    tier: str | None = None  # STORAGE: which tier (kvserve extension)
+    shared: bool = False  # STORAGE: the tier is shared between instances (kvserve extension)
 
 
 class BlockRemoved(KVCacheEvent, kw_only=True):
     block_hashes: list[int]
     medium: str | None = None
     group_idx: int = 0
+    locality: str | None = None
+    tier: str | None = None
+    shared: bool = False
 
 
 class AllBlocksCleared(KVCacheEvent, kw_only=True):

@@ -33,7 +33,9 @@ MAGIC = b"KVSC"
 # Bump when the stored byte layout or the meaning of a header field changes.
 STORAGE_FORMAT_VERSION = 1
 HEADER_BYTES = 256
-_FIXED = struct.Struct("<4sHHQ16s32s16s")  # magic, version, layout len, payload len, hash, key, model
+_FIXED = struct.Struct(
+    "<4sHHQ16s32s16s"
+)  # magic, version, layout len, payload len, hash, key, model
 _MAX_LAYOUT = HEADER_BYTES - _FIXED.size
 
 

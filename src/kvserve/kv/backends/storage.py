@@ -99,6 +99,10 @@ class StorageBackend(ABC):
         """(bytes used, capacity in bytes; 0 when unbounded or unknown)."""
         return 0, 0
 
+    def event_fields(self) -> dict[str, Any]:
+        """What KV events say about this tier (``medium`` is :attr:`medium`)."""
+        return {"locality": self.locality, "tier": self.tier_id, "shared": self.shared}
+
     def take_evicted(self) -> list[bytes]:
         """Keys this tier evicted since the last call (private tiers)."""
         with self._stats_lock:

@@ -1,6 +1,17 @@
-"""The offloading connector: the primary pool's KV blocks also live in a host-memory tier.
+"""The offloading connector: the primary pool's KV blocks also live in a host-memory tier,
+and, below it, in storage tiers (local disk, a shared file system, Redis/Valkey).
 
 Registered as ``"offload"`` (selected automatically when ``kv_offload_size > 0``).
+
+Storage tiers (``kv_tier`` / ``kv_tiers_config``) sit behind the host tier, which stays the
+gateway (as in vLLM's multi-tier offloading): every chunk stored in host memory is cascaded to
+every storage tier by the :class:`StorageWorker` (asynchronous, bounded: a write that finds the
+queue full is dropped and counted); a lookup asks the host tier, then the storage tiers for the
+chunks after its hits (asynchronously: the scheduler is told to ask again while the lookup runs,
+and a lookup slower than ``kv_tier_lookup_timeout`` is a miss); a storage hit is staged into
+host-tier slots (reserved like a store, verified by the tier with a full-content hash) and then
+loaded like any host hit, so it stays in host memory for the next request. A failed or partial
+read is recomputed (``invalid_block_ids``), exactly like a host chunk that fails verification.
 
 Scheduler side (decisions; owns the :class:`OffloadingManager`):
 - lookup: after the primary-pool prefix hit, the request's following chunks that the tier
@@ -30,22 +41,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.config import GiB
 from kvserve.engine.hashing import block_extra_keys, hash_to_int
 from kvserve.kv.backends import create_backend
-from kvserve.kv.backends.base import ChunkLayout, model_fingerprint
+from kvserve.kv.backends.base import ChunkLayout
+from kvserve.kv.backends.chunk_format import ChunkCodec, fingerprint_model_dir
+from kvserve.kv.backends.storage import StorageBackend, load_tier_specs
 from kvserve.kv.connector import (
     KVConnectorBase,
     KVConnectorOutput,
     KVConnectorStats,
     register_connector,
 )
+from kvserve.kv.events import BlockRemoved, BlockStored
 from kvserve.kv.offload.manager import ChunkMeta, LoadSpec, LookupState, OffloadingManager
 from kvserve.kv.offload.policies import create_policy
+from kvserve.kv.offload.storage_worker import ReadItem, StorageResult, StorageWorker
 from kvserve.kv.offload.worker import ChunkCopy, TransferJob, TransferWorker, make_transfer_worker
 
 if TYPE_CHECKING:
@@ -65,6 +80,9 @@ class OffloadConnectorMetadata:
 
     loads: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    # Storage-tier hits to stage into host-tier slots (job id -> reads); the job's copy to the
+    # primary pool starts once they are in.
+    reads: list[tuple[int, list[ReadItem]]] = field(default_factory=list)
 
 
 @dataclass
@@ -81,12 +99,29 @@ class _JobRecord:
     job: TransferJob
     req_id: str
     missing_blocks: list[int] = field(default_factory=list)  # load blocks found gone at alloc
+    # Storage-tier chunks of a load being staged into host slots: their keys and slots (the
+    # job's chunks from index ``staged_from`` on); empty once the copy job was started.
+    staged_keys: list[bytes] = field(default_factory=list)
+    staged_from: int = 0
+    cancelled: bool = False  # the request ended while its chunks were staged
 
 
 @dataclass
 class _Lookup:
     num_computed_tokens: int
     num_external_tokens: int
+    tier_sources: list[int] = field(default_factory=list)  # storage tier of each chunk past
+    cpu_chunks: int = 0  # the host tier's hits (chunks), which come first
+
+
+@dataclass
+class _TierLookup:
+    """A storage-tier lookup of a waiting request's chunks from chunk ``first`` on."""
+
+    op_id: int
+    first: int
+    started: float
+    sources: list[int] | None = None  # None while in flight
 
 
 @register_connector("offload")
@@ -117,16 +152,32 @@ class OffloadingConnector(KVConnectorBase):
         self._loads_to_start: list[TransferJob] = []
         self._job_ids = itertools.count(1)
         self._stats = KVConnectorStats()
-        self._counts = {"load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0}
+        self._counts = {
+            "load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0,
+            "tier_loaded_chunks": 0, "tier_failed_chunks": 0, "tier_lookup_timeouts": 0,
+        }  # fmt: skip
+        # Storage tiers below the host tier (created with it, in register_kv_caches).
+        self.tier_specs = load_tier_specs(config.kv_tier, config.kv_tiers_config)
+        self.tiers: list[StorageBackend] = []
+        self.storage: StorageWorker | None = None
+        self.lookup_timeout = config.kv_tier_lookup_timeout
+        self._tier_lookups: dict[str, _TierLookup] = {}
+        self._lookup_ops: dict[int, str] = {}  # lookup op -> request id
+        self._read_ops: dict[int, int] = {}  # read op -> load job id
+        self._write_ops: dict[int, list[bytes]] = {}  # write op -> host chunks it pins
+        self._reads_to_start: list[tuple[int, list[ReadItem]]] = []
+        self._events: list[AnyKVEvent] = []
+        # Block hashes of chunks in private storage tiers (for BlockRemoved on eviction).
+        self._tier_blocks: list[dict[bytes, list[int]]] = []
 
     # ================================ worker side: setup =================================
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         """Allocate the host tier for this ``kv_cache`` layout and start the transfer worker."""
         layout = ChunkLayout.from_kv_cache(kv_caches, self.blocks_per_chunk)
-        fingerprint = model_fingerprint(
-            Path(self.config.model).name if self.config.model else "",
-            self.config.prefix_hash_seed,
-            layout.describe(),
+        # Names the weights (sampled content), the hash seed and the layout: instances share
+        # stored KV only when they would compute the same KV.
+        fingerprint = fingerprint_model_dir(
+            self.config.model or "", self.config.prefix_hash_seed, layout.describe()
         )
         tier = create_backend("cpu", layout, self.size_bytes, model=fingerprint)
         self.tier = tier
@@ -134,6 +185,20 @@ class OffloadingConnector(KVConnectorBase):
             tier, self.policy_name, block_size=self.block_size, emit_events=self.emit_events
         )
         self.worker = make_transfer_worker(kv_caches, tier)
+        if self.tier_specs:
+            codec = ChunkCodec(fingerprint, layout.describe(), layout.chunk_bytes)
+            self.tiers = [
+                create_backend(spec.type, codec, **spec.options) for spec in self.tier_specs
+            ]
+            self._tier_blocks = [{} for _ in self.tiers]
+            self.storage = StorageWorker(
+                self.tiers,
+                io_threads=self.config.kv_tier_io_threads,
+                max_pending_writes=self.config.kv_tier_max_pending_writes,
+            )
+            for spec, t in zip(self.tier_specs, self.tiers, strict=True):
+                logger.info("KV storage tier %s (%s, %s)", spec.describe(), t.locality,
+                            "shared" if t.shared else "private")  # fmt: skip
         logger.info(
             "KV offload tier: %d chunks x %d tokens (%.1f MiB host memory%s, policy %s)",
             tier.num_slots, self.chunk_tokens, tier.nbytes / (1 << 20),
@@ -153,7 +218,7 @@ class OffloadingConnector(KVConnectorBase):
     # ================================ scheduler side =====================================
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         rid = request.request_id
         self._lookups.pop(rid, None)
         st = self._reqs.get(rid)
@@ -166,19 +231,51 @@ class OffloadingConnector(KVConnectorBase):
         n_chunks = len(request.block_hashes) // k
         if first >= n_chunks:
             return 0, False
-        hits = self._mgr().lookup(self._chunk_keys(request, first, n_chunks))
-        end = min((first + hits) * self.chunk_tokens, request.num_tokens - 1)
+        # Only chunks that end before the last prompt token can be used.
+        n_usable = min(n_chunks, (request.num_tokens - 1) // self.chunk_tokens + 1)
+        keys = self._chunk_keys(request, first, n_usable)
+        hits = self._mgr().lookup(keys)
+        sources: list[int] = []
+        if self.storage is not None and hits < len(keys):
+            lower = self._tier_lookup(rid, first + hits, keys[hits:])
+            if lower is None:
+                return None, False  # lookup in flight: ask again next step
+            sources = lower
+        end = min((first + hits + len(sources)) * self.chunk_tokens, request.num_tokens - 1)
         num_external = end - num_computed_tokens
         if num_external < bs:  # less than a block: recomputing beats a round trip
             return 0, False
-        self._lookups[rid] = _Lookup(num_computed_tokens, num_external)
+        self._lookups[rid] = _Lookup(num_computed_tokens, num_external, sources, hits)
         return num_external, True
+
+    def _tier_lookup(self, rid: str, first: int, keys: list[bytes]) -> list[int] | None:
+        """Source tier of each leading chunk of ``keys`` (chunk ``first`` on) held below the
+        host tier; None while the lookup runs. Past the timeout it is a miss (``[]``)."""
+        assert self.storage is not None
+        tl = self._tier_lookups.get(rid)
+        if tl is None or tl.first != first:  # new request, or its host hits changed
+            if tl is not None:
+                self._lookup_ops.pop(tl.op_id, None)
+            op = self.storage.lookup(keys)
+            self._tier_lookups[rid] = _TierLookup(op, first, time.monotonic())
+            self._lookup_ops[op] = rid
+            return None
+        if tl.sources is None:
+            if time.monotonic() - tl.started < self.lookup_timeout:
+                return None
+            self._counts["tier_lookup_timeouts"] += 1
+            self._lookup_ops.pop(tl.op_id, None)
+            tl.sources = []
+        return tl.sources[: len(keys)]
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         rid = request.request_id
         lookup = self._lookups.pop(rid, None)
+        tl = self._tier_lookups.pop(rid, None)
+        if tl is not None:
+            self._lookup_ops.pop(tl.op_id, None)
         st = self._reqs.get(rid)
         if st is None:
             st = self._reqs[rid] = _RequestState(request)
@@ -198,24 +295,53 @@ class OffloadingConnector(KVConnectorBase):
         first, last = start_block // k, (end_block - 1) // k
         keys = self._chunk_keys(request, first, last + 1)
         mgr = self._mgr()
-        hits = mgr.lookup(keys)  # cannot shrink within one schedule(); guard anyway
+        # Host hits cannot shrink within one schedule(); guard anyway.
+        hits = min(mgr.lookup(keys), lookup.cpu_chunks)
         spec = mgr.prepare_load(keys[:hits]) if hits else LoadSpec([])
+        slots = list(spec.slots)
+        # Storage-tier hits after them: reserve host slots to stage them in (like a store);
+        # a chunk that cannot be reserved ends the run (the rest is recomputed).
+        sources = lookup.tier_sources[: len(keys) - hits] if hits == lookup.cpu_chunks else []
+        staged_keys: list[bytes] = []
+        reads: list[ReadItem] = []
+        if sources:
+            want = keys[hits : hits + len(sources)]
+            metas = (
+                [self._chunk_meta(request, first + hits + j) for j in range(len(want))]
+                if self.emit_events
+                else None
+            )
+            out = mgr.prepare_store(want, metas)
+            reserved = out.keys_to_store if out is not None else []
+            n = 0
+            while n < len(reserved) and reserved[n] == want[n]:
+                n += 1
+            if n < len(reserved):
+                mgr.complete_store(reserved[n:], success=False)
+            staged_keys = want[:n]
+            slot_u8 = self.tier.slots_u8
+            for key, slot, t in zip(staged_keys, out.slots if out else [], sources, strict=False):
+                slots.append(slot)
+                reads.append(ReadItem(t, key, memoryview(slot_u8[slot].numpy())))
         chunks: list[ChunkCopy] = []
         missing: list[int] = []
         for j, i in enumerate(range(first, last + 1)):
             b0, b1 = max(start_block, i * k), min(end_block, (i + 1) * k)
-            if j < hits:
-                chunks.append(ChunkCopy(spec.slots[j], keys[j], block_ids[b0:b1], b0 - i * k))
+            if j < len(slots):
+                chunks.append(ChunkCopy(slots[j], keys[j], block_ids[b0:b1], b0 - i * k))
             else:
                 missing.extend(block_ids[b0:b1])
         job = TransferJob(next(self._job_ids), is_store=False, chunks=chunks)
-        self._jobs[job.job_id] = _JobRecord(job, rid, missing)
-        self._loads_to_start.append(job)
+        self._jobs[job.job_id] = _JobRecord(job, rid, missing, staged_keys, hits)
+        if reads:
+            self._reads_to_start.append((job.job_id, reads))
+        else:
+            self._loads_to_start.append(job)
         st.load_job = job.job_id
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
-        meta = OffloadConnectorMetadata(loads=self._loads_to_start)
-        self._loads_to_start = []
+        meta = OffloadConnectorMetadata(loads=self._loads_to_start, reads=self._reads_to_start)
+        self._loads_to_start, self._reads_to_start = [], []
         mgr = self._mgr()
         k, ct = self.blocks_per_chunk, self.chunk_tokens
         for request in scheduler_output.scheduled:
@@ -271,9 +397,26 @@ class OffloadingConnector(KVConnectorBase):
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
         self._lookups.pop(rid, None)
+        tl = self._tier_lookups.pop(rid, None)
+        if tl is not None:
+            self._lookup_ops.pop(tl.op_id, None)
         st = self._reqs.get(rid)
         if st is None:
             return False
+        rec = self._jobs.get(st.load_job) if st.load_job is not None else None
+        if rec is not None and rec.staged_keys:
+            # Aborted while storage chunks are staged into host slots (the request's own
+            # blocks are not written yet): release at once, finish the staging on its own.
+            pending = next((r for r in self._reads_to_start if r[0] == st.load_job), None)
+            if pending is not None:
+                self._reads_to_start.remove(pending)
+                del self._jobs[st.load_job]
+                mgr = self._mgr()
+                mgr.complete_store(rec.staged_keys, success=False)
+                mgr.complete_load([c.key for c in rec.job.chunks[: rec.staged_from]])
+            else:
+                rec.cancelled = True
+            st.load_job = None
         job = next((j for j in self._loads_to_start if j.job_id == st.load_job), None)
         if job is not None:  # aborted before its load was handed to the worker
             self._loads_to_start.remove(job)
@@ -294,7 +437,15 @@ class OffloadingConnector(KVConnectorBase):
             self.manager.touch(block_hashes[k - 1 :: k])
 
     def take_events(self) -> list[AnyKVEvent]:
-        return self.manager.take_events() if self.manager is not None else []
+        if self.manager is None:
+            return []
+        if self.tiers:
+            self._collect_tier_evictions()
+        events = self.manager.take_events()
+        if self._events:
+            events.extend(self._events)
+            self._events = []
+        return events
 
     def stats(self) -> KVConnectorStats:
         s = self._stats
@@ -328,6 +479,10 @@ class OffloadingConnector(KVConnectorBase):
     def start_load_kv(self, metadata: OffloadConnectorMetadata | None) -> None:
         if metadata is None or self.worker is None:
             return
+        if self.storage is not None:
+            for job_id, items in metadata.reads:
+                if job_id in self._jobs:
+                    self._read_ops[self.storage.read(items)] = job_id
         for job in metadata.loads:
             if job.job_id in self._jobs:  # not cancelled by an abort since scheduling
                 self.worker.submit(job)
@@ -349,9 +504,28 @@ class OffloadingConnector(KVConnectorBase):
             self.worker.wait(jobs)
 
     def wait_for_transfers(self, timeout: float) -> bool:
-        if self.worker is None or not self._jobs:
+        if self.worker is None:
             return False
-        self.worker.wait_any(timeout)
+        storage = self.storage
+        io = (
+            storage is not None
+            and storage.has_inflight()
+            and bool(self._lookup_ops or self._read_ops)
+        )
+        copying = any(not r.staged_keys for r in self._jobs.values())
+        if io and copying:  # both can end the wait: watch them in turn
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                self.worker.wait_any(0.001)
+                storage.wait_any(0.001)
+                if storage.has_results() or self.worker.has_results():
+                    break
+        elif io:
+            storage.wait_any(timeout)
+        elif copying:
+            self.worker.wait_any(timeout)
+        else:
+            return False
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
@@ -359,6 +533,9 @@ class OffloadingConnector(KVConnectorBase):
         if self.worker is None:
             return out
         mgr = self._mgr()
+        if self.storage is not None:
+            for sres in self.storage.poll():
+                self._storage_done(sres, out)
         for res in self.worker.poll():
             rec = self._jobs.pop(res.job_id, None)
             if rec is None:
@@ -368,6 +545,8 @@ class OffloadingConnector(KVConnectorBase):
             keys = [c.key for c in job.chunks]
             if job.is_store:
                 mgr.complete_store(keys, success=res.ok)
+                if res.ok and self.storage is not None:
+                    self._cascade(keys)
                 self._stats.store_bytes += res.nbytes
                 self._stats.store_time_s += res.seconds
                 self._counts["store_jobs"] += 1
@@ -399,7 +578,127 @@ class OffloadingConnector(KVConnectorBase):
                 del self._reqs[rid]
         return out
 
+    # ================================ storage tiers =====================================
+    def _cascade(self, keys: list[bytes]) -> None:
+        """Chunks just stored in the host tier: write them to every storage tier. Their host
+        slots are pinned (as for a load) until the write ends, so they are not reused under
+        it; a write the storage worker cannot queue is dropped (counted by each tier)."""
+        assert self.storage is not None
+        mgr = self._mgr()
+        spec = mgr.prepare_load(keys)
+        slot_u8 = self.tier.slots_u8
+        payloads = [memoryview(slot_u8[s].numpy()) for s in spec.slots]
+        op = self.storage.write(keys, payloads)
+        if op is None:
+            mgr.complete_load(keys)
+        else:
+            self._write_ops[op] = keys
+
+    def _storage_done(self, res: StorageResult, out: KVConnectorOutput) -> None:
+        """Apply one finished storage operation (engine thread)."""
+        if res.kind == "lookup":
+            rid = self._lookup_ops.pop(res.op_id, None)
+            tl = self._tier_lookups.get(rid) if rid is not None else None
+            if tl is not None and tl.op_id == res.op_id:
+                tl.sources = res.sources
+        elif res.kind == "write":
+            keys = self._write_ops.pop(res.op_id, [])
+            mgr = self._mgr()
+            if self.emit_events:
+                for t, stored in res.stored.items():
+                    self._emit_tier_stored(t, [mgr.meta_of(k) for k in stored], stored)
+            mgr.complete_load(keys)
+        elif res.kind == "read":
+            job_id = self._read_ops.pop(res.op_id, None)
+            rec = self._jobs.get(job_id) if job_id is not None else None
+            if rec is not None:
+                self._staged(rec, res, out)
+
+    def _staged(self, rec: _JobRecord, res: StorageResult, out: KVConnectorOutput) -> None:
+        """Storage chunks of a load are in host slots (or failed): make the good leading run
+        host-tier chunks, then copy the load into the primary pool like any host hit."""
+        mgr = self._mgr()
+        n_ok = 0
+        while n_ok < len(res.ok) and res.ok[n_ok]:
+            n_ok += 1
+        good, bad = rec.staged_keys[:n_ok], rec.staged_keys[n_ok:]
+        job, first = rec.job, rec.staged_from
+        if good:
+            # The tier verified the payload (full hash); record the host header of what is
+            # now in the slot, so the copy below is verified like any host chunk.
+            slots = [c.slot for c in job.chunks[first : first + n_ok]]
+            self.tier.record(slots, good)
+        mgr.complete_store(good, success=True)
+        mgr.complete_store(bad, success=False)
+        self._counts["tier_loaded_chunks"] += len(good)
+        self._counts["tier_failed_chunks"] += len(bad)
+        self._stats.load_bytes += res.nbytes
+        self._stats.load_time_s += res.seconds
+        if bad:
+            logger.warning(
+                "request %s: %d storage-tier chunk(s) missing or failed verification; "
+                "recomputing", rec.req_id, len(bad),
+            )  # fmt: skip
+        rec.staged_keys = []
+        host_keys = [c.key for c in job.chunks[:first]]
+        if rec.cancelled:
+            mgr.complete_load(host_keys)
+            del self._jobs[job.job_id]
+            return
+        # Chunks after the first failed one are recomputed with the blocks never loaded.
+        for c in job.chunks[first + n_ok :]:
+            rec.missing_blocks.extend(c.block_ids)
+        job.chunks = job.chunks[: first + n_ok]
+        if good:
+            mgr.prepare_load(good)  # pinned for the copy, like the host hits
+        if job.chunks:
+            assert self.worker is not None
+            self.worker.submit(job)
+            return
+        # Nothing to copy: the load ends here, every block of it recomputed.
+        del self._jobs[job.job_id]
+        st = self._reqs.get(rec.req_id)
+        if st is not None:
+            st.load_job = None
+            if not st.finished:
+                out.finished_recving.add(rec.req_id)
+                out.invalid_block_ids.update(rec.missing_blocks)
+
+    def _emit_tier_stored(self, t: int, metas: list[ChunkMeta | None], keys: list[bytes]) -> None:
+        tier = self.tiers[t]
+        for key, m in zip(keys, metas, strict=True):
+            if m is None:
+                continue
+            if not tier.shared:
+                self._tier_blocks[t][key] = m.block_hashes
+            self._events.append(
+                BlockStored(
+                    block_hashes=list(m.block_hashes),
+                    parent_block_hash=m.parent_block_hash,
+                    token_ids=list(m.token_ids),
+                    block_size=self.block_size,
+                    medium=tier.medium,
+                    lora_name=m.lora_name,
+                    extra_keys=m.extra_keys,
+                    **tier.event_fields(),
+                )
+            )
+
+    def _collect_tier_evictions(self) -> None:
+        for t, tier in enumerate(self.tiers):
+            evicted = tier.take_evicted()
+            blocks = self._tier_blocks[t]
+            for key in evicted:
+                hashes = blocks.pop(key, None)
+                if hashes is not None and self.emit_events:
+                    self._events.append(
+                        BlockRemoved(block_hashes=hashes, medium=tier.medium, **tier.event_fields())
+                    )
+
     def shutdown(self) -> None:
+        if self.storage is not None:
+            self.storage.shutdown()
+            self.storage = None
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None

@@ -113,6 +113,10 @@ class OffloadingManager:
         e = self._entries.get(key)
         return None if e is None else e.slot
 
+    def meta_of(self, key: ChunkKey) -> ChunkMeta | None:
+        e = self._entries.get(key)
+        return None if e is None else e.meta
+
     def ref_count(self, key: ChunkKey) -> int | None:
         e = self._entries.get(key)
         return None if e is None else e.ref

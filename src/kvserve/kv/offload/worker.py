@@ -100,6 +100,10 @@ class TransferWorker:
     def wait(self, job_ids: Iterable[int]) -> None:
         raise NotImplementedError
 
+    def has_results(self) -> bool:
+        """A result is ready to :meth:`poll`."""
+        raise NotImplementedError
+
     def wait_any(self, timeout: float) -> None:
         """Block until a result is ready to :meth:`poll`, nothing is in flight, or ``timeout``
         seconds passed."""
@@ -146,6 +150,9 @@ class CpuTransferWorker(TransferWorker):
         with self._cond:
             out, self._results = self._results, []
         return out
+
+    def has_results(self) -> bool:
+        return bool(self._results)
 
     def wait(self, job_ids: Iterable[int]) -> None:
         ids = set(job_ids)
@@ -321,6 +328,9 @@ class CudaTransferWorker(TransferWorker):  # pragma: no cover - needs CUDA
     def poll(self) -> list[TransferResult]:
         done_ids = [jid for jid, (_, _, done, _) in self._inflight.items() if done.query()]
         return [self._complete(jid) for jid in done_ids]
+
+    def has_results(self) -> bool:
+        return any(done.query() for _, _, done, _ in self._inflight.values())
 
     def wait(self, job_ids: Iterable[int]) -> None:
         for jid in job_ids:
