@@ -196,8 +196,10 @@ class LLMEngine:
                 self._states.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        # Includes finished requests whose blocks a connector store still holds.
-        return self.scheduler.has_requests()
+        # Includes finished requests whose blocks a connector store still holds, and a
+        # connector's own work in flight (writes to storage tiers): stepping applies it.
+        conn = self.connector
+        return self.scheduler.has_requests() or (conn is not None and conn.has_pending_work())
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:

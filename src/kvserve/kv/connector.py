@@ -51,6 +51,8 @@ class KVConnectorStats:
     store_time_s: float = 0.0
     allocation_failures: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # Per storage tier (by tier id): TierStats counters plus usage_bytes / capacity_bytes.
+    tiers: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class KVConnectorBase(ABC):
@@ -92,6 +94,11 @@ class KVConnectorBase(ABC):
     def take_events(self) -> list[AnyKVEvent]:
         """KV events of the connector's tiers since the last call."""
         return []
+
+    def has_pending_work(self) -> bool:
+        """Transfers of the connector's own (not a request's) are in flight: the engine keeps
+        stepping (and sleeping in :meth:`wait_for_transfers`) until they end."""
+        return False
 
     def touch(self, block_hashes: list[bytes]) -> None:  # noqa: B027
         """Blocks that hit in the primary pool: keep them hot in lower tiers too."""

@@ -473,6 +473,11 @@ class OffloadingConnector(KVConnectorBase):
                 "failed_store_chunks": float(ms.store_failed),
                 **{k: float(v) for k, v in self._counts.items()},
             }
+        for tier in self.tiers:
+            used, cap = tier.usage()
+            row = tier.stats.as_dict()
+            row.update(usage_bytes=float(used), capacity_bytes=float(cap))
+            out.tiers[tier.tier_id] = row
         return out
 
     # ================================ worker side: per step ==============================
@@ -507,13 +512,9 @@ class OffloadingConnector(KVConnectorBase):
         if self.worker is None:
             return False
         storage = self.storage
-        io = (
-            storage is not None
-            and storage.has_inflight()
-            and bool(self._lookup_ops or self._read_ops)
-        )
+        io = storage is not None and storage.has_inflight()
         copying = any(not r.staged_keys for r in self._jobs.values())
-        if io and copying:  # both can end the wait: watch them in turn
+        if io and copying:  # either can end the wait: watch both in turn, 1 ms each
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 self.worker.wait_any(0.001)
@@ -579,6 +580,9 @@ class OffloadingConnector(KVConnectorBase):
         return out
 
     # ================================ storage tiers =====================================
+    def has_pending_work(self) -> bool:
+        return bool(self._write_ops)
+
     def _cascade(self, keys: list[bytes]) -> None:
         """Chunks just stored in the host tier: write them to every storage tier. Their host
         slots are pinned (as for a load) until the write ends, so they are not reused under
