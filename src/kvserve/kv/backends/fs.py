@@ -1,0 +1,374 @@
+"""The ``fs`` tier: a directory shared by several instances (a local or network file system),
+one file per chunk.
+
+Owns the file naming, the atomic write (a unique temporary name in the chunk's directory, then
+``rename``: a reader never sees a torn file), the verified read, and the retention sweeper that
+bounds the namespace's size. Options (``fs:path=/mnt/kv,size=500``): ``path`` (the shared
+root), ``size`` (retention limit, GiB or ``512MiB``: every instance applies it), ``sweep_interval``
+(seconds between sweeps), ``fsync`` (flush each file before its rename; default off: a crash
+loses at most recent chunks, and the hash rejects a torn one), ``locality`` (``LOCAL``, or
+``REMOTE`` for NFS and other network file systems), ``io_threads`` (concurrent files within one
+call).
+
+Layout: ``<path>/<codec.namespace>/<key[0:1].hex()>/<key.hex()>.kvc``, each file being
+``codec.header(key, payload) + payload``. The namespace separates models, layouts and format
+versions; the header and full-content hash are checked on every read, and a file that fails
+(truncated, bit-flipped, another format) is removed and counted.
+
+Retention is LRU-ish across instances: a hit touches the file's mtime, and a sweep (every
+``sweep_interval``, and early once this instance wrote 5% of ``size`` since the last one)
+deletes the least recently used files until the namespace holds 90% of ``size``, plus
+temporary files left for more than a minute by a writer that died. Instances may sweep at once:
+a file another one already deleted is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvserve.kv.backends import register_backend
+from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
+from kvserve.kv.backends.disk import preadv_all, pwritev_all
+from kvserve.kv.backends.storage import StorageBackend, parse_size
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvc"
+TMP_PREFIX = ".tmp-"
+TMP_MAX_AGE_S = 60.0  # a temporary file older than this belongs to a writer that died
+SWEEP_LOW_WATER = 0.9  # a sweep deletes down to this fraction of size
+SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that trigger a sweep early
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_MISS, _HIT, _CORRUPT = 0, 1, 2
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"fs tier: {name} must be true or false, got {value!r}")
+
+
+@register_backend("fs")
+class FsBackend(StorageBackend):
+    """One file per chunk under a shared root, written by rename, bounded by a sweeper."""
+
+    name = "fs"
+    locality = "LOCAL"
+    shared = True
+
+    def __init__(
+        self,
+        codec: ChunkCodec,
+        *,
+        tier_id: str | None = None,
+        path: str | os.PathLike,
+        size: Any,
+        sweep_interval: Any = 30.0,
+        fsync: Any = False,
+        locality: str = "LOCAL",
+        io_threads: Any = 4,
+    ) -> None:
+        root = Path(path).absolute()
+        # Instances sharing the root agree on this id (how the router learns who shares).
+        super().__init__(codec, tier_id=tier_id or f"fs:{root}")
+        loc = str(locality).strip().upper()
+        if loc not in ("LOCAL", "REMOTE"):
+            raise ValueError(f"fs tier: locality must be LOCAL or REMOTE, got {locality!r}")
+        self.locality = loc  # type: ignore[misc]  # per instance: the same class serves NFS
+        self.size_bytes = parse_size(size)
+        if self.size_bytes < codec.stored_bytes:
+            raise ValueError(
+                f"fs tier size {self.size_bytes} bytes is smaller than one chunk "
+                f"({codec.stored_bytes} bytes); raise size"
+            )
+        self.sweep_interval = float(sweep_interval)
+        if self.sweep_interval <= 0:
+            raise ValueError(f"fs tier: sweep_interval must be > 0, got {sweep_interval!r}")
+        self.fsync = _flag(fsync, "fsync")
+        self.stored_bytes = codec.stored_bytes
+        self.root = root
+        self.dir = root / codec.namespace
+        self._dir_s = str(self.dir)
+        try:
+            self._make_dirs()
+        except OSError as e:
+            raise OSError(e.errno, f"fs tier: cannot create {self.dir}: {e.strerror}") from e
+        threads = int(io_threads)
+        self._pool = (
+            ThreadPoolExecutor(threads, thread_name_prefix="kv-fs-io") if threads > 1 else None
+        )
+        self._lock = threading.Lock()
+        self._used = 0  # bytes in the namespace at the last sweep
+        self._written_since_sweep = 0  # bytes this instance wrote since then
+        self._logged_errnos: set[int] = set()
+        self._sweep_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.sweep()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="kv-fs-sweep", daemon=True)
+        self._sweeper.start()
+        logger.info(
+            "fs tier %s (%s): retention %d bytes, %d bytes held, sweep every %.0f s",
+            self.dir,
+            self.locality,
+            self.size_bytes,
+            self._used,
+            self.sweep_interval,
+        )
+
+    def _make_dirs(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for i in range(256):
+            os.makedirs(f"{self._dir_s}/{i:02x}", exist_ok=True)
+
+    def path_of(self, key: bytes) -> str:
+        """Where chunk ``key`` lives."""
+        return f"{self._dir_s}/{key[:1].hex()}/{key.hex()}{SUFFIX}"
+
+    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        items = list(items)
+        if self._pool is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
+
+    def _io_error(self, what: str, e: OSError) -> None:
+        self.count(errors=1)
+        level = logging.WARNING if e.errno not in self._logged_errnos else logging.DEBUG
+        self._logged_errnos.add(e.errno or 0)
+        logger.log(level, "fs tier %s: cannot %s: %s", self.dir, what, e)
+
+    # -- the StorageBackend interface ----------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> int:
+        run = 0
+        for k in keys:
+            try:
+                st = os.stat(self.path_of(k))
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                self._io_error("look up a chunk", e)
+                break
+            if st.st_size != self.stored_bytes:
+                break  # not a chunk of this codec: get() removes it
+            run += 1
+        return run
+
+    def _read(self, key: bytes, out: memoryview) -> int | OSError:
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return _MISS
+        except OSError as e:
+            return e
+        try:
+            if os.fstat(fd).st_size != self.stored_bytes:
+                return _CORRUPT
+            header = bytearray(HEADER_BYTES)
+            if not preadv_all(fd, [header, out], 0):
+                return _CORRUPT
+            digest = self.codec.check_header(key, header)
+            if digest is None or payload_digest(out) != digest:
+                return _CORRUPT
+            # Recently used: every instance's sweeper keeps it longer. (Another user's file may
+            # refuse: retention then goes by its write time.)
+            with contextlib.suppress(OSError):
+                os.utime(fd)
+            return _HIT
+        except OSError as e:
+            return e
+        finally:
+            os.close(fd)
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[bool]:
+        n = len(keys)
+        t0 = time.perf_counter()
+        res = self._map(lambda i: self._read(keys[i], memoryview(outs[i]).cast("B")), range(n))
+        dt = time.perf_counter() - t0
+        corrupt = 0
+        for k, r in zip(keys, res, strict=True):
+            if isinstance(r, OSError):
+                self._io_error("read a chunk", r)
+            elif r == _CORRUPT:
+                corrupt += 1
+                logger.warning("fs tier: %s failed verification (removed)", self.path_of(k))
+                self._unlink(self.path_of(k))
+        ok = [r == _HIT for r in res]
+        hits = sum(ok)
+        self.count(
+            hits=hits,
+            misses=n - hits,
+            corrupt=corrupt,
+            read_bytes=hits * self.codec.payload_bytes,
+            read_s=dt,
+        )
+        return ok
+
+    def _write(self, key: bytes, payload: memoryview) -> int | OSError:
+        path = self.path_of(key)
+        try:
+            if os.stat(path).st_size == self.stored_bytes:
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # stored again: recently used
+                return _MISS  # already there (another instance wrote it): skipped
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return e
+        tmp = (
+            f"{os.path.dirname(path)}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-"
+            f"{os.urandom(4).hex()}"
+        )
+        try:
+            header = self.codec.header(key, payload)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:  # the namespace was deleted under us: make it again
+                self._make_dirs()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            return e
+        try:
+            try:
+                pwritev_all(fd, [header, payload], 0)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)  # may report a deferred write error (network file systems)
+            os.rename(tmp, path)  # atomic: readers see the old state or the whole file
+            return _HIT
+        except OSError as e:
+            self._unlink(tmp)
+            return e
+
+    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+        n = len(keys)
+        t0 = time.perf_counter()
+        res = self._map(lambda i: self._write(keys[i], payloads[i]), range(n))
+        dt = time.perf_counter() - t0
+        written = skipped = 0
+        for r in res:
+            if isinstance(r, OSError):
+                self._io_error("write a chunk", r)
+            elif r == _HIT:
+                written += 1
+            else:
+                skipped += 1
+        nbytes = written * self.stored_bytes
+        self.count(
+            written=written,
+            write_bytes=written * self.codec.payload_bytes,
+            write_s=dt,
+            write_skipped=skipped,
+        )
+        with self._lock:
+            self._written_since_sweep += nbytes
+            early = self._written_since_sweep > SWEEP_EARLY * self.size_bytes
+        if early:
+            self._wake.set()
+        return [not isinstance(r, OSError) for r in res]
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._unlink(self.path_of(k))
+
+    def _unlink(self, path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False  # another instance got there first
+        except OSError as e:
+            self._io_error("delete a file", e)
+            return False
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return self._used + self._written_since_sweep, self.size_bytes
+
+    # -- retention -----------------------------------------------------------------------------
+    def _sweep_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.sweep_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.sweep()
+            except Exception:  # the next sweep tries again
+                logger.exception("fs tier %s: sweep failed", self.dir)
+
+    def sweep(self) -> int:
+        """Apply the retention limit now: delete the least recently used chunk files while the
+        namespace holds more than ``size`` (down to 90% of it) and temporary files of writers
+        that died. Returns the number of chunk files deleted."""
+        with self._sweep_lock:
+            with self._lock:
+                self._written_since_sweep = 0
+            now = time.time()
+            files: list[tuple[int, int, str]] = []  # (mtime ns, bytes, path)
+            total = 0
+            try:
+                subdirs = [e.path for e in os.scandir(self.dir) if e.is_dir()]
+            except FileNotFoundError:
+                subdirs = []
+            except OSError as e:
+                self._io_error("list the namespace", e)
+                return 0
+            for sub in subdirs:
+                try:
+                    entries = list(os.scandir(sub))
+                except OSError as e:
+                    if not isinstance(e, FileNotFoundError):
+                        self._io_error("list a directory", e)
+                    continue
+                for e in entries:
+                    try:
+                        st = e.stat()
+                    except OSError:
+                        continue  # deleted meanwhile
+                    if e.name.startswith(TMP_PREFIX):
+                        if now - st.st_mtime > TMP_MAX_AGE_S:
+                            self._unlink(e.path)
+                    elif e.name.endswith(SUFFIX):
+                        files.append((st.st_mtime_ns, st.st_size, e.path))
+                        total += st.st_size
+            deleted = 0
+            if total > self.size_bytes:
+                target = int(self.size_bytes * SWEEP_LOW_WATER)
+                files.sort()
+                for _, nbytes, path in files:
+                    if total <= target:
+                        break
+                    if self._unlink(path):
+                        deleted += 1
+                    total -= nbytes  # deleted here or by another instance's sweep
+                self.count(evicted=deleted)
+                logger.debug("fs tier %s: swept %d files", self.dir, deleted)
+            with self._lock:
+                self._used = total
+            return deleted
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._sweeper.is_alive() and self._sweeper is not threading.current_thread():
+            self._sweeper.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
