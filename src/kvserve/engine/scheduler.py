@@ -417,6 +417,12 @@ class Scheduler:
                 rolled_back.add(request.request_id)
                 self._cache_after_step.discard(request.request_id)
             request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
+            # Report only what was really served from outside the primary pool.
+            if request.num_external_computed_tokens > 0:
+                hit = max(0, request.num_cached_tokens)
+                request.num_external_computed_tokens = max(
+                    0, min(request.num_external_computed_tokens, valid_tokens - hit)
+                )
         self.kv.evict_blocks(invalid_block_ids)
         return rolled_back
 

@@ -108,6 +108,23 @@ _CONNECTOR_METRICS: dict[str, tuple[str, str, str]] = {
 # ``KVConnectorStats.extra`` keys ``usage_perc:<MEDIUM>`` are tier usages in [0, 1]; other
 # extra keys are exposed as ``kvserve:kv_connector_stat{key=...}``.
 _TIER_USAGE_PREFIX = "usage_perc:"
+# ``KVConnectorStats.tiers``: per storage tier, TierStats counters and these gauges.
+_TIER_GAUGES = {"usage_bytes", "capacity_bytes"}
+_TIER_DOCS = {
+    "hits": "Chunks read from the storage tier and verified.",
+    "misses": "Chunks asked of the storage tier and not served (absent, corrupt or error).",
+    "corrupt": "Chunks whose header or content hash did not verify (removed).",
+    "errors": "I/O errors of the storage tier (the affected chunks were misses).",
+    "read_bytes": "Bytes read from the storage tier.",
+    "read_s": "Seconds spent reading from the storage tier.",
+    "written": "Chunks written to the storage tier.",
+    "write_bytes": "Bytes written to the storage tier.",
+    "write_s": "Seconds spent writing to the storage tier.",
+    "dropped": "Chunk writes dropped (queue full or over the watermark).",
+    "evicted": "Chunks evicted by the storage tier.",
+    "usage_bytes": "Bytes held by the storage tier.",
+    "capacity_bytes": "Capacity of the storage tier in bytes (0: bounded by the server).",
+}
 
 
 def _family(name: str, kind: str, doc: str, labels: list[str]) -> Metric:
@@ -155,6 +172,20 @@ class _EngineStatsCollector(Collector):
                 extra.add_metric([self.model_name, key], float(value))
         yield tiers
         yield extra
+        # Storage tiers below host memory, one label value per tier id.
+        rows = getattr(conn, "tiers", None) or {}
+        keys = sorted({k for row in rows.values() for k in row})
+        for key in keys:
+            family = _family(
+                f"kvserve:kv_tier_{key}",  # counters are exposed with a _total suffix
+                "gauge" if key in _TIER_GAUGES else "counter",
+                _TIER_DOCS.get(key, f"Storage tier {key.replace('_', ' ')}."),
+                ["model_name", "tier"],
+            )
+            for tier_id, row in sorted(rows.items()):
+                if key in row:
+                    family.add_metric([self.model_name, tier_id], float(row[key]))
+            yield family
 
 
 class ServerMetrics:
