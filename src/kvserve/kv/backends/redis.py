@@ -29,12 +29,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Encoder, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvserve.kv.backends import register_backend
-from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec
+from kvserve.kv.backends.chunk_format import ChunkCodec
 from kvserve.kv.backends.storage import StorageBackend, parse_size
 
 KEY_PREFIX = "kvserve"
@@ -103,6 +104,39 @@ def _byte_view(buf: memoryview) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+class _StoredChunk:
+    """A chunk value as its two pieces (header, payload view): sent as ONE bulk string without
+    joining them, so a store neither copies nor allocates the payload."""
+
+    __slots__ = ("header", "payload")
+
+    def __init__(self, header: bytes, payload: memoryview) -> None:
+        self.header = header
+        self.payload = payload
+
+
+class _CommandPacker:
+    """redis-py's RESP packing, except that a :class:`_StoredChunk` argument becomes one bulk
+    string written from its two buffers (redis-py sends memoryview pieces as they are)."""
+
+    def __init__(self) -> None:
+        self._encode = Encoder("utf-8", "strict", False).encode
+        self._default = PythonRespSerializer(6000, self._encode)
+
+    def pack(self, *args: Any) -> list[bytes | memoryview]:
+        if not any(type(a) is _StoredChunk for a in args):
+            return self._default.pack(*args)
+        out: list[bytes | memoryview] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if type(arg) is _StoredChunk:
+                size = len(arg.header) + arg.payload.nbytes
+                out += [b"$%d\r\n" % size + arg.header, arg.payload, b"\r\n"]
+            else:
+                enc = self._encode(arg)
+                out.append(b"$%d\r\n%s\r\n" % (len(enc), enc))
+        return out
+
+
 @register_backend("valkey")
 @register_backend("redis")
 class RedisBackend(StorageBackend):
@@ -153,6 +187,7 @@ class RedisBackend(StorageBackend):
             # when it restarted); none on a timeout: a hung server must cost one timeout.
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "driver_info": None,  # no CLIENT SETINFO round trips on every connect
+            "command_packer": _CommandPacker(),  # stateless, shared by the connections
         }
         if username is not None:
             kwargs["username"] = username
@@ -192,13 +227,10 @@ class RedisBackend(StorageBackend):
         """The Redis key of chunk ``key``."""
         return self._prefix + key.hex().encode()
 
-    def _value(self, key: bytes, payload: memoryview) -> memoryview:
-        """Header + payload in one buffer (one copy of the payload)."""
+    def _value(self, key: bytes, payload: memoryview) -> _StoredChunk:
+        """Header + payload, sent as one value straight from the caller's buffer."""
         payload = _byte_view(payload)
-        buf = bytearray(self.codec.stored_bytes)
-        buf[:HEADER_BYTES] = self.codec.header(key, payload)
-        buf[HEADER_BYTES:] = payload
-        return memoryview(buf)
+        return _StoredChunk(self.codec.header(key, payload), payload)
 
     # -- the I/O ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> int:
