@@ -139,6 +139,7 @@ class DiskBackend(StorageBackend):
     name = "disk"
     locality = "LOCAL"
     shared = False
+    lookup_in_memory = True
 
     def __init__(
         self,
@@ -542,7 +543,10 @@ class DiskBackend(StorageBackend):
             if evicted:
                 self.note_evicted(evicted)
             t0 = time.perf_counter()
-            errs = self._map(lambda t: self._write_slot(t[1], keys[t[0]], payloads[t[0]]), todo)
+            errs = self._map(
+                lambda t: self._write_slot(t[1], keys[t[0]], memoryview(payloads[t[0]]).cast("B")),
+                todo,
+            )
             dt = time.perf_counter() - t0
             failed = []
             with self._cond:

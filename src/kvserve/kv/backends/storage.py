@@ -64,6 +64,9 @@ class StorageBackend(ABC):
     medium: ClassVar[str] = "STORAGE"
     locality: ClassVar[str] = "LOCAL"  # LOCAL (this node) | REMOTE (over the network)
     shared: ClassVar[bool] = False  # written and read by several instances
+    # exists() answers from memory (no I/O): the connector may look up on the engine thread
+    # instead of making the request wait a step for an asynchronous lookup.
+    lookup_in_memory: ClassVar[bool] = False
 
     def __init__(self, codec: ChunkCodec, *, tier_id: str | None = None) -> None:
         self.codec = codec

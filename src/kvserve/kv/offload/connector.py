@@ -162,6 +162,7 @@ class OffloadingConnector(KVConnectorBase):
         self.storage: StorageWorker | None = None
         self.lookup_timeout = config.kv_tier_lookup_timeout
         self._tier_lookups: dict[str, _TierLookup] = {}
+        self._lookup_in_memory = False  # every tier answers lookups without I/O
         self._lookup_ops: dict[int, str] = {}  # lookup op -> request id
         self._read_ops: dict[int, int] = {}  # read op -> load job id
         self._write_ops: dict[int, list[bytes]] = {}  # write op -> host chunks it pins
@@ -191,6 +192,7 @@ class OffloadingConnector(KVConnectorBase):
                 create_backend(spec.type, codec, **spec.options) for spec in self.tier_specs
             ]
             self._tier_blocks = [{} for _ in self.tiers]
+            self._lookup_in_memory = all(t.lookup_in_memory for t in self.tiers)
             self.storage = StorageWorker(
                 self.tiers,
                 io_threads=self.config.kv_tier_io_threads,
@@ -252,6 +254,8 @@ class OffloadingConnector(KVConnectorBase):
         """Source tier of each leading chunk of ``keys`` (chunk ``first`` on) held below the
         host tier; None while the lookup runs. Past the timeout it is a miss (``[]``)."""
         assert self.storage is not None
+        if self._lookup_in_memory:
+            return self.storage.lookup_now(keys)
         tl = self._tier_lookups.get(rid)
         if tl is None or tl.first != first:  # new request, or its host hits changed
             if tl is not None:

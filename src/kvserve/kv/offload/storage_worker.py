@@ -87,6 +87,10 @@ class StorageWorker:
         self._start(self._reads, op, "lookup", lambda: self._lookup(op, list(keys)))
         return op
 
+    def lookup_now(self, keys: Sequence[bytes]) -> list[int]:
+        """The same as :meth:`lookup`, in the calling thread (tiers that look up in memory)."""
+        return self._lookup(0, list(keys)).sources
+
     def read(self, items: Sequence[ReadItem]) -> int:
         """Start reading ``items`` into their destinations; returns its op id. A tier's chunks
         are read in batches of ``read_batch`` (one ``get`` call each), the batches spread over
