@@ -7,6 +7,11 @@ Flags override the config file. Examples::
         --endpoint http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
         --endpoint http://127.0.0.1:8002,events=tcp://127.0.0.1:5567 \\
         --scorer precise_prefix=3 --scorer load=2
+    KVSERVE_API_KEY=sk-1 kvserve route --upstream-api-key sk-engines --endpoint ...
+
+API keys: ``--api-key`` (repeatable), else ``KVSERVE_API_KEY`` or ``VLLM_API_KEY``; the key
+sent to engines: ``--upstream-api-key``, else ``KVSERVE_UPSTREAM_API_KEY`` (or ``api_key=``
+in an ``--endpoint``). Keys in the environment stay out of ``ps``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -32,11 +38,14 @@ _ENDPOINT_KEYS = {
     "model": "model",
     "name": "name",
     "topic": "kv_events_topic",
+    "api_key": "api_key",
 }
+API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' key, first set wins
+UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
 
 
 def parse_endpoint_flag(text: str) -> EndpointSpec:
-    """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T]``."""
+    """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T][,api_key=K]``."""
     url, *opts = [p.strip() for p in text.split(",")]
     kwargs: dict[str, str] = {}
     for opt in opts:
@@ -85,6 +94,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--picker", help="max_score | weighted_random | random | round_robin")
     parser.add_argument("--session-header", help="header carrying the session id")
     parser.add_argument("--max-attempts", type=int, help="endpoints tried per request")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a key clients must send as `Authorization: Bearer KEY` (repeatable; default: "
+        "$KVSERVE_API_KEY or $VLLM_API_KEY; none: no authentication)",
+    )
+    parser.add_argument(
+        "--upstream-api-key",
+        help="bearer key sent to the engines (default: $KVSERVE_UPSTREAM_API_KEY; none: the "
+        "client's Authorization header is passed on)",
+    )
+    parser.add_argument(
+        "--max-connections-per-endpoint", type=int, help="connection cap (default 256)"
+    )
+    parser.add_argument(
+        "--max-queue-per-endpoint",
+        type=int,
+        help="requests waiting for a connection (default 1024); beyond: 503 + Retry-After",
+    )
+    parser.add_argument("--max-body-bytes", type=int, help="request body limit (default 64 MiB)")
     parser.add_argument("--log-level", help="debug | info | warning | error")
     parser.add_argument(
         "--event-loop", help="auto (uvloop when installed) | uvloop | asyncio (default auto)"
@@ -104,11 +134,22 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         "max_attempts",
         "log_level",
         "event_loop",
+        "upstream_api_key",
+        "max_connections_per_endpoint",
+        "max_queue_per_endpoint",
+        "max_body_bytes",
     ):
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, attr, value)
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
+    if args.api_key:
+        cfg.api_keys = list(args.api_key)
+    if not cfg.api_keys:
+        env_key = next((os.environ[v] for v in API_KEY_ENV if os.environ.get(v)), None)
+        cfg.api_keys = [env_key] if env_key else []
+    if cfg.upstream_api_key is None and os.environ.get(UPSTREAM_API_KEY_ENV):
+        cfg.upstream_api_key = os.environ[UPSTREAM_API_KEY_ENV]
     if args.scorer:
         cfg.scheduler.scorers = [parse_scorer_flag(s) for s in args.scorer]
     if args.picker:

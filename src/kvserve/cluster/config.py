@@ -25,6 +25,18 @@ Defaults and why:
 - index: at most 2M blocks per endpoint (an LRU bound against lost removals; an entry costs
   about 290 bytes, measured: 1M blocks ~ 280 MiB), tier weights GPU 1.0, CPU 0.8, DISK 0.6,
   FS 0.5, REDIS 0.5.
+- overload: at most 256 connections per endpoint (well inside an engine's accept backlog,
+  uvicorn's is 2048), then a FIFO queue of 1,024 requests per endpoint waiting up to 60 s for
+  one; beyond that 503 with ``Retry-After`` (``benchmarks/bench_router_overload.py``). An
+  endpoint is taken out only on evidence: failed health checks or a refused connection,
+  never a connect timeout (with a burst in an engine's backlog, that is our own load).
+- clients: a request's head within 10 s, its body within 60 s of its head (else 408),
+  kept-alive connections closed after 30 s idle; bodies up to 64 MiB.
+- authentication: off unless API keys are given (``api_keys``, ``--api-key``,
+  ``KVSERVE_API_KEY`` / ``VLLM_API_KEY``); then ``/v1/*`` and ``/router/state`` need
+  ``Authorization: Bearer <key>`` (``/metrics`` too with ``api_key_metrics``); ``/health``,
+  ``/version`` and ``/openapi.json`` stay open. Requests to an endpoint carry its
+  ``api_key``, else ``upstream_api_key``, else the client's own ``Authorization``.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ class EndpointSpec:
     kv_events: str | None = None  # its KV event PUB address, e.g. tcp://10.0.0.1:5557
     kv_events_replay: str | None = None  # its replay ROUTER address, e.g. tcp://10.0.0.1:5558
     kv_events_topic: str = ""  # topic prefix to subscribe to ("" = all)
+    api_key: str | None = field(default=None, repr=False)  # bearer key the endpoint expects
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -142,6 +155,26 @@ class RouterConfig:
     history_max_blocks: int = 1_000_000
     session_ttl_s: float = 3600.0
     inline_tokenize_chars: int = 4096  # longer prompts are tokenized on a worker thread
+    # Prompt tokens computed for scoring (None: the largest max_model_len the endpoints
+    # report, else 131072): a longer prompt is tokenized only that far.
+    tokenize_max_tokens: int | None = None
+    tokenize_threads: int = 2
+    tokenize_max_pending: int = 64  # beyond, long prompts route on their raw text
+    # Clients' bearer keys (none: no authentication) and what else they guard.
+    api_keys: list[str] = field(default_factory=list, repr=False)
+    api_key_metrics: bool = False  # /metrics needs a key too
+    api_key_admin: bool = True  # /router/state needs a key too
+    upstream_api_key: str | None = field(default=None, repr=False)  # to endpoints without one
+    # The router's own HTTP server.
+    max_body_bytes: int = 64 << 20
+    header_timeout_s: float = 10.0  # request line + headers must arrive within this
+    body_timeout_s: float = 60.0  # the body within this after the headers
+    keep_alive_timeout_s: float = 30.0  # idle kept-alive client connections are closed
+    # Overload: connections per endpoint, then a bounded queue, then 503 + Retry-After.
+    max_connections_per_endpoint: int = 256
+    max_queue_per_endpoint: int = 1024
+    queue_timeout_s: float = 60.0  # longest wait for a connection before 503
+    retry_after_s: int = 1  # Retry-After of overload answers
     log_level: str = "warning"
     # auto: uvloop when it is installed (it cuts the router's CPU per request), else asyncio
     event_loop: str = "auto"  # auto | uvloop | asyncio
@@ -156,6 +189,23 @@ class RouterConfig:
             raise ConfigError("event_loop must be auto, uvloop or asyncio")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be >= 1")
+        for name in (
+            "max_body_bytes",
+            "max_connections_per_endpoint",
+            "tokenize_threads",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keep_alive_timeout_s",
+            "queue_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.max_queue_per_endpoint < 0 or self.retry_after_s < 0:
+            raise ConfigError("max_queue_per_endpoint and retry_after_s must be >= 0")
+        if self.tokenize_max_tokens is not None and self.tokenize_max_tokens <= 0:
+            raise ConfigError("tokenize_max_tokens must be positive")
+        if any(not k for k in self.api_keys):
+            raise ConfigError("api_keys must not be empty strings")
         if not self.endpoints and not self.endpoints_file:
             raise ConfigError("no endpoints: give `endpoints` or `endpoints_file`")
         names = [e.key for e in self.endpoints]

@@ -2,11 +2,14 @@
 
 Owns endpoint state and its upkeep: the list (static, or a YAML/JSON file re-read when it
 changes), active health checks (GET /health; out after ``unhealthy_after`` failures or at once
-when the gateway cannot connect, back after one good check; a check that times out while the
-endpoint answered proxied requests does not count: the router was slow, not the endpoint),
-model discovery (GET /v1/models) and load metrics scraped from GET /metrics in Prometheus
-text format (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``).
+when the gateway finds its connection refused, back after one good check; a check that times
+out while the endpoint answered proxied requests does not count: the router was slow, not the
+endpoint; other failures of proxied requests only ask for a check now, :meth:`probe_soon`),
+model discovery (GET /v1/models, with each model's ``max_model_len``) and load metrics scraped
+from GET /metrics in Prometheus text format (``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``). Checks, discovery and scrapes
+carry the endpoint's bearer key, and run on connections of their own: a check never waits
+behind the requests queued for the endpoint's connections.
 Listeners hear about endpoints added and removed (the event subscriber, the index).
 """
 
@@ -55,6 +58,10 @@ class Endpoint:
     metrics_at: float = 0.0  # time.monotonic() of the last successful scrape
     in_flight: int = 0  # requests this router has sent and not yet finished
     answered_at: float = 0.0  # time.monotonic() of the last proxied response it answered
+    max_model_len: int | None = None  # the largest context its model cards report
+    ejections: int = 0  # times taken out of rotation
+    # `Authorization` header for requests to it (its key, else the pool's upstream key)
+    auth_header: tuple[bytes, bytes] | None = field(default=None, repr=False)
     name: str = field(init=False)  # the spec's key (a plain attribute: read per request)
     origin: Origin = field(init=False)  # where to connect, parsed once from the URL
 
@@ -120,8 +127,10 @@ class EndpointPool:
         health: HealthConfig | None = None,
         endpoints_file: str | None = None,
         file_poll_s: float = 1.0,
+        upstream_api_key: str | None = None,
     ) -> None:
         self.health = health or HealthConfig()
+        self.upstream_api_key = upstream_api_key
         self.endpoints_file = endpoints_file
         self.file_poll_s = file_poll_s
         self.endpoints: dict[str, Endpoint] = {}
@@ -134,6 +143,7 @@ class EndpointPool:
         self._client: UpstreamPool | None = None
         self._own_client = False
         self._checking: set[str] = set()
+        self._probes: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ membership
 
@@ -159,6 +169,9 @@ class EndpointPool:
         for name, spec in wanted.items():
             if name not in self.endpoints:
                 ep = Endpoint(spec, models=(spec.model,) if spec.model else ())
+                key = spec.api_key or self.upstream_api_key
+                if key:
+                    ep.auth_header = (b"authorization", b"Bearer " + key.encode("latin-1"))
                 self.endpoints[name] = ep
                 logger.info("endpoint added: %s", name)
                 for cb in self.on_added:
@@ -188,8 +201,11 @@ class EndpointPool:
     # ------------------------------------------------------------------ upkeep
 
     async def start(self, client: UpstreamPool | None = None) -> None:
-        """Load, check every endpoint once, then keep checking in the background."""
-        self._client = client or UpstreamPool()
+        """Load, check every endpoint once, then keep checking in the background.
+
+        ``client``: the connections for checks, discovery and scrapes (not the request
+        traffic's: a check must not wait for a connection behind requests)."""
+        self._client = client or UpstreamPool(max_idle_per_origin=2)
         self._own_client = client is None
         self.load()
         await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))
@@ -202,12 +218,14 @@ class EndpointPool:
             self._tasks.append(asyncio.create_task(self._loop(self.file_poll_s, self._watch)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = self._tasks + list(self._probes)
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+        self._probes.clear()
         if self._client is not None and self._own_client:
             await self._client.close()
         self._client = None
@@ -243,7 +261,10 @@ class EndpointPool:
 
     async def _get(self, ep: Endpoint, path: str) -> tuple[int, bytes]:
         assert self._client is not None
-        return await self._client.get(ep.origin, path, timeout_s=self.health.timeout_s)
+        headers = [ep.auth_header] if ep.auth_header else None
+        return await self._client.get(
+            ep.origin, path, timeout_s=self.health.timeout_s, headers=headers
+        )
 
     async def check(self, ep: Endpoint) -> bool:
         """One health check (and model discovery while the models are unknown)."""
@@ -294,6 +315,9 @@ class EndpointPool:
             return
         cards = [c for c in body.get("data", []) if isinstance(c, dict) and "id" in c]
         ep.model_cards = cards
+        lens = [c.get("max_model_len") for c in cards]
+        lens = [n for n in lens if type(n) is int and n > 0]
+        ep.max_model_len = max(lens) if lens else None
         if not ep.spec.model:
             ep.models = tuple(str(c["id"]) for c in cards)
 
@@ -313,8 +337,17 @@ class EndpointPool:
         ep.kv_cache_usage_perc = min(max(values.get(METRIC_KV_USAGE, 0.0), 0.0), 1.0)
         ep.metrics_at = time.monotonic()
 
+    def probe_soon(self, ep: Endpoint) -> None:
+        """A proxied request failed in a way that may or may not mean ``ep`` is down (a
+        dropped connection, a connect timeout): check it now rather than at the next round."""
+        if ep.name in self._checking or self._client is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.check(ep))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
     def mark_failed(self, ep: Endpoint, error: str) -> None:
-        """The gateway could not reach ``ep``: out now, back on the next good check."""
+        """``ep`` refused a connection: out now, back on the next good check."""
         ep.last_error = error
         ep.failures = max(ep.failures, self.health.unhealthy_after)
         self._set_health(ep, False)
@@ -325,6 +358,7 @@ class EndpointPool:
             if healthy:
                 logger.info("endpoint %s healthy", ep.name)
             else:
+                ep.ejections += 1
                 logger.warning("endpoint %s unhealthy: %s", ep.name, ep.last_error)
             for cb in self.on_health_change:
                 cb(ep)

@@ -6,9 +6,20 @@ scheduler, metrics. The wire on both sides is the router's own lean HTTP/1.1
 (:mod:`~kvserve.cluster.http_server`, :mod:`~kvserve.cluster.upstream`): a proxied request
 is one parse, one routing decision and one write each way. Responses are relayed as they
 arrive (streams piece by piece); a request is retried on the next-ranked endpoint only while
-nothing has been sent to the client (connection failure, timeout before headers, or a 5xx);
-a client that disconnects cancels its handler, which closes the upstream connection so the
-engine aborts the request.
+nothing has been sent to the client (connection failure, timeout before headers, a 5xx or a
+429, or no connection free to that endpoint); a client that disconnects cancels its handler,
+which closes the upstream connection so the engine aborts the request.
+
+Overload degrades instead of collapsing: connections per endpoint are capped and requests
+queue for them (bounded); when every candidate's queue is full the client gets 503 with
+``Retry-After``. An endpoint leaves the rotation only on evidence it is down (a refused
+connection, failed health checks); a connect timeout or a dropped connection asks for a
+health check now, since under a burst they are the router's own load showing.
+
+Authentication (when API keys are configured): ``/v1/*`` (and ``/router/state``, optionally
+``/metrics``) need ``Authorization: Bearer <key>``, compared in constant time (digests of
+equal length); the engines get the endpoint's own key, else the upstream key, else the
+client's header as it came.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
+import hmac
 import logging
 import signal
 import time
@@ -37,8 +50,10 @@ from kvserve.cluster.metrics import RouterMetrics
 from kvserve.cluster.routing_request import RoutingRequest
 from kvserve.cluster.scheduler import Decision, Scheduler
 from kvserve.cluster.tokenization import (
+    DEFAULT_MAX_TOKENS,
     BadRequestError,
     TokenizerRegistry,
+    TokenizerWorkers,
     prompt_chars,
     routing_request,
 )
@@ -48,6 +63,7 @@ from kvserve.cluster.upstream import (
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
+    UpstreamSaturated,
     UpstreamTimeout,
 )
 
@@ -71,9 +87,14 @@ _HOP_BY_HOP = frozenset(
         b"host",
         b"content-length",
         b"expect",
+        b"http2-settings",
     }
 )
-_KEEP_RESPONSE_HEADERS = frozenset({b"content-type", b"x-request-id", b"cache-control"})
+_KEEP_RESPONSE_HEADERS = frozenset(
+    {b"content-type", b"x-request-id", b"cache-control", b"retry-after"}
+)
+# Engine answers that mean "not now, try elsewhere" rather than "this request is bad".
+_RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 _INLINE_TOKENS = 4096  # token-id prompts longer than this are hashed on a worker thread
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -83,18 +104,37 @@ Reply = tuple[int, list[tuple[bytes, bytes]], bytes]  # status, headers, body
 
 
 class UpstreamFailed(Exception):
-    """An attempt failed before anything reached the client (safe to retry elsewhere)."""
+    """An attempt failed before anything reached the client (safe to retry elsewhere).
 
-    def __init__(self, kind: str, detail: str, endpoint_down: bool) -> None:
+    ``endpoint_down``: proof the endpoint is down (refused); ``suspect``: maybe down, check
+    it now; ``overload``: the endpoint (or our connections to it) is saturated."""
+
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        endpoint_down: bool = False,
+        *,
+        suspect: bool = False,
+        overload: bool = False,
+    ) -> None:
         super().__init__(detail)
         self.kind = kind
         self.endpoint_down = endpoint_down
+        self.suspect = suspect
+        self.overload = overload
 
 
-def error_reply(status: int, message: str, etype: str = "invalid_request_error") -> Reply:
-    """An OpenAI-style error body."""
-    body = {"error": {"message": message, "type": etype, "param": None, "code": status}}
-    return status, _JSON, _json_encode(body)
+def error_reply(
+    status: int,
+    message: str,
+    etype: str = "invalid_request_error",
+    code: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> Reply:
+    """An OpenAI-style error body (``code``: a string or null, as OpenAI's)."""
+    body = {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    return status, _JSON + headers if headers else _JSON, _json_encode(body)
 
 
 def json_reply(obj: Any, status: int = 200) -> Reply:
@@ -118,16 +158,28 @@ class Router:
         self.history_block_size = config.block_size
         self.scheduler = Scheduler.from_config(config.scheduler, self)
         self.tokenizers = TokenizerRegistry(config.tokenizer, config.tokenizers)
+        self.tokenize_workers = TokenizerWorkers(
+            config.tokenize_threads, config.tokenize_max_pending
+        )
         self.pool = EndpointPool(
             config.endpoints,
             health=config.health,
             endpoints_file=config.endpoints_file,
             file_poll_s=config.endpoints_file_poll_s,
+            upstream_api_key=config.upstream_api_key,
         )
         self.pool.on_added.append(self._endpoint_added)
         self.pool.on_removed.append(self._endpoint_removed)
-        self.metrics = RouterMetrics(lambda: (self.pool, self.index, self.subscriber))
-        self.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s)
+        self.upstream = UpstreamPool(
+            connect_timeout_s=config.connect_timeout_s,
+            max_connections=config.max_connections_per_endpoint,
+            max_idle_per_origin=config.max_connections_per_endpoint,
+            max_queue=config.max_queue_per_endpoint,
+            queue_timeout_s=config.queue_timeout_s,
+        )
+        self.metrics = RouterMetrics(
+            lambda: (self.pool, self.index, self.subscriber, self.upstream)
+        )
         self._server: HttpServer | None = None
         self._pruner: asyncio.Task | None = None
         self._routes: dict[tuple[str, str], Callable[[HttpRequest, HttpResponse], Awaitable]]
@@ -139,8 +191,18 @@ class Router:
             ("GET", "/metrics"): self._simple(self.prometheus),
             ("GET", "/router/state"): self._simple(self.state),
             ("GET", "/version"): self._simple(lambda: json_reply({"version": kvserve.__version__})),
+            ("GET", "/openapi.json"): self.openapi,
         }
-        self._paths = {path for _, path in self._routes}
+        self._allowed: dict[str, list[str]] = {}  # path -> its methods (the Allow header)
+        for method, path in self._routes:
+            self._allowed.setdefault(path, []).append(method)
+        # Authentication: digests of the keys (compared in constant time, equal lengths).
+        self._key_digests = [hashlib.sha256(k.encode()).digest() for k in config.api_keys]
+        self._secured_exact = frozenset(
+            ["/router/state"] * config.api_key_admin + ["/metrics"] * config.api_key_metrics
+        )
+        self._retry_after = [(b"retry-after", str(config.retry_after_s).encode())]
+        self._openapi: bytes | None = None
         self._session_header = config.session_header.lower().encode("latin-1")
         self.port: int | None = None
 
@@ -162,8 +224,16 @@ class Router:
     async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Start everything and listen; returns the bound port (``port=0``: a free one)."""
         self.subscriber.start()
-        await self.pool.start(self.upstream)
-        self._server = HttpServer(self._dispatch, error_reply, max_body_bytes=64 << 20)
+        await self.pool.start()  # health checks on connections of their own
+        cfg = self.config
+        self._server = HttpServer(
+            self._dispatch,
+            error_reply,
+            max_body_bytes=cfg.max_body_bytes,
+            header_timeout_s=cfg.header_timeout_s,
+            body_timeout_s=cfg.body_timeout_s,
+            keep_alive_timeout_s=cfg.keep_alive_timeout_s,
+        )
         self.port = await self._server.start(
             self.config.host if host is None else host,
             self.config.port if port is None else port,
@@ -181,6 +251,7 @@ class Router:
         await self.pool.stop()
         await self.upstream.close()
         self.subscriber.close()
+        self.tokenize_workers.shutdown()
 
     async def _prune_idle(self) -> None:
         while True:
@@ -190,13 +261,46 @@ class Router:
     # ------------------------------------------------------------------ dispatch
 
     async def _dispatch(self, req: HttpRequest, resp: HttpResponse) -> None:
+        if self._key_digests and self._secured(req.path) and not self._authorized(req):
+            self.metrics.rejected_of(401).inc()
+            resp.send(
+                *error_reply(
+                    401,
+                    "Incorrect API key provided: send `Authorization: Bearer <key>`.",
+                    code="invalid_api_key",
+                    headers=[(b"www-authenticate", b"Bearer")],
+                )
+            )
+            return
         handler = self._routes.get((req.method, req.path))
         if handler is not None:
             await handler(req, resp)
-        elif req.path in self._paths:
-            resp.send(*error_reply(405, f"method {req.method} not allowed on {req.path}"))
+        elif req.path in self._allowed:
+            allow = ", ".join(self._allowed[req.path]).encode()
+            resp.send(
+                *error_reply(
+                    405,
+                    f"Method {req.method} not allowed on {req.path}.",
+                    headers=[(b"allow", allow)],
+                )
+            )
         else:
-            resp.send(*error_reply(404, f"no route for {req.method} {req.path}", "not_found_error"))
+            resp.send(*error_reply(404, f"Invalid URL ({req.method} {req.path})"))
+
+    def _secured(self, path: str) -> bool:
+        return path.startswith("/v1/") or path in self._secured_exact
+
+    def _authorized(self, req: HttpRequest) -> bool:
+        """A bearer key equal to one of ours (every key compared, in constant time)."""
+        value = req.header(b"authorization")
+        if value is None:
+            return False
+        scheme, _, token = value.strip().partition(" ")
+        digest = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        ok = False
+        for key in self._key_digests:
+            ok |= hmac.compare_digest(digest, key)
+        return ok and scheme.lower() == "bearer"
 
     @staticmethod
     def _simple(fn: Callable[[], Reply]) -> Callable[[HttpRequest, HttpResponse], Awaitable]:
@@ -223,6 +327,15 @@ class Router:
             status=200 if n else 503,
         )
 
+    async def openapi(self, req: HttpRequest, resp: HttpResponse) -> None:
+        if self._openapi is None:  # built once, off the loop (imports the wire models)
+            from kvserve.cluster.openapi import router_openapi
+
+            secured = {p for p in self._allowed if self._key_digests and self._secured(p)}
+            doc = await asyncio.to_thread(router_openapi, secured)
+            self._openapi = _json_encode(doc)
+        resp.send(200, _JSON, self._openapi)
+
     def prometheus(self) -> Reply:
         body = generate_latest(self.metrics.registry)
         return 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body
@@ -240,6 +353,9 @@ class Router:
                     "healthy": ep.healthy,
                     "last_error": ep.last_error,
                     "in_flight": ep.in_flight,
+                    "connections": self.upstream.busy(ep.origin),
+                    "queued": self.upstream.queued(ep.origin),
+                    "ejections": ep.ejections,
                     "running": ep.num_requests_running,
                     "waiting": ep.num_requests_waiting,
                     "kv_cache_usage": ep.kv_cache_usage_perc,
@@ -265,16 +381,34 @@ class Router:
     async def chat_completions(self, req: HttpRequest, resp: HttpResponse) -> None:
         await self._proxy(req, resp, chat=True)
 
+    def _max_tokens(self, model: Any) -> int:
+        """Prompt tokens worth computing for scoring: the largest context of the endpoints
+        that serve ``model`` (what any of them could hold), unless configured."""
+        if self.config.tokenize_max_tokens is not None:
+            return self.config.tokenize_max_tokens
+        lens = [
+            e.max_model_len
+            for e in self.pool.endpoints.values()
+            if e.max_model_len and (not isinstance(model, str) or e.serves(model))
+        ]
+        return max(lens) if lens else DEFAULT_MAX_TOKENS
+
     async def _routing_request(
         self, body: dict[str, Any], chat: bool, session_id: str | None
     ) -> RoutingRequest:
-        def build() -> RoutingRequest:
+        prompt = body.get("prompt")
+        long_ids = isinstance(prompt, list) and len(prompt) > _INLINE_TOKENS
+        long = long_ids or prompt_chars(body, chat) > self.config.inline_tokenize_chars
+        max_tokens = self._max_tokens(body.get("model")) if long else DEFAULT_MAX_TOKENS
+
+        def build(tokenize: bool = True) -> RoutingRequest:
             req = routing_request(
                 body,
                 chat,
-                self.tokenizers,
+                self.tokenizers if tokenize else None,
                 session_id=session_id,
                 seed=self.config.prefix_hash_seed,
+                max_tokens=max_tokens,
             )
             if req.token_ids is not None and len(req.token_ids) > _INLINE_TOKENS:
                 for bs in {self.index.endpoint_block_size(n) for n in self.pool.endpoints}:
@@ -282,11 +416,12 @@ class Router:
                         req.block_keys(bs)  # hash here, off the event loop
             return req
 
-        prompt = body.get("prompt")
-        long_ids = isinstance(prompt, list) and len(prompt) > _INLINE_TOKENS
-        if prompt_chars(body, chat) > self.config.inline_tokenize_chars or long_ids:
-            return await asyncio.get_running_loop().run_in_executor(None, build)
-        return build()
+        if not long:
+            return build()
+        fut = self.tokenize_workers.submit(build)
+        if fut is None:  # the tokenizer threads are swamped: route on the raw text
+            return build(tokenize=False)
+        return await asyncio.wrap_future(fut)
 
     async def _proxy(self, request: HttpRequest, resp: HttpResponse, chat: bool) -> None:
         t0 = time.perf_counter()
@@ -295,6 +430,10 @@ class Router:
         except (msgspec.DecodeError, UnicodeDecodeError):
             self.metrics.rejected_of(400).inc()
             resp.send(*error_reply(400, "request body is not valid JSON"))
+            return
+        except RecursionError:
+            self.metrics.rejected_of(400).inc()
+            resp.send(*error_reply(400, "request body is nested too deeply"))
             return
         if not isinstance(body, dict):
             self.metrics.rejected_of(400).inc()
@@ -310,8 +449,14 @@ class Router:
             return
         except NoEndpointError as e:
             self.metrics.rejected_of(e.status).inc()
-            kind = "not_found_error" if e.status == 404 else "service_unavailable"
-            resp.send(*error_reply(e.status, e.message, kind))
+            if e.status == 404:
+                resp.send(*error_reply(404, e.message, code="model_not_found"))
+            else:
+                resp.send(
+                    *error_reply(
+                        e.status, e.message, "service_unavailable", None, self._retry_after
+                    )
+                )
             return
         await self._forward(request, resp, req, decision, time.perf_counter() - t0)
 
@@ -323,13 +468,15 @@ class Router:
         decision: Decision,
         routing_s: float,
     ) -> None:
-        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
+        headers, client_auth = _forwarded_headers(request.headers)
         attempts = decision.ranked[: self.config.max_attempts]
         last_error = "no endpoint tried"
+        overloaded = False
         metrics = self.metrics
         for i, ep in enumerate(attempts):
             if i > 0 and not ep.healthy:
                 continue
+            auth = ep.auth_header or client_auth
             ep.in_flight += 1
 
             def sent(ep: Endpoint = ep, first: bool = i == 0) -> None:
@@ -343,13 +490,20 @@ class Router:
                 t_send = time.perf_counter()
                 try:
                     upstream = await self._send(
-                        ep, request, headers, last=i == len(attempts) - 1, on_sent=sent
+                        ep,
+                        request,
+                        headers + [auth] if auth else headers,
+                        last=i == len(attempts) - 1,
+                        on_sent=sent,
                     )
                 except UpstreamFailed as e:
                     last_error = f"{ep.name}: {e}"
+                    overloaded = overloaded or e.overload
                     self.metrics.failovers_of(ep.name, e.kind).inc()
                     if e.endpoint_down:
                         self.pool.mark_failed(ep, str(e))
+                    elif e.suspect:
+                        self.pool.probe_soon(ep)
                     logger.info("attempt %d on %s failed (%s); failing over", i + 1, ep.name, e)
                     continue
                 t_first = time.perf_counter()
@@ -364,6 +518,18 @@ class Router:
                     metrics.requests_of(ep.name, upstream.status).inc()
             finally:
                 ep.in_flight -= 1
+        if overloaded:  # some endpoint was only busy: come back later
+            self.metrics.rejected_of(503).inc()
+            resp.send(
+                *error_reply(
+                    503,
+                    f"The endpoints are overloaded; retry later ({last_error})",
+                    "service_unavailable",
+                    None,
+                    self._retry_after,
+                )
+            )
+            return
         self.metrics.rejected_of(502).inc()
         resp.send(*error_reply(502, f"all endpoints failed ({last_error})", "bad_gateway"))
 
@@ -385,16 +551,25 @@ class Router:
                 first_byte_timeout_s=self.config.first_byte_timeout_s,
                 on_sent=on_sent,
             )
+        except UpstreamSaturated as e:
+            raise UpstreamFailed("saturated", str(e), overload=True) from None
         except UpstreamConnectError as e:
-            raise UpstreamFailed("connect", str(e), endpoint_down=True) from None
+            if e.refused:  # nothing listens: down
+                raise UpstreamFailed("connect", str(e), endpoint_down=True) from None
+            # A timeout: a full accept backlog (overload) as often as a dead host.
+            raise UpstreamFailed("connect", str(e), suspect=True, overload=True) from None
         except UpstreamTimeout:
-            raise UpstreamFailed("timeout", "no response headers in time", False) from None
+            raise UpstreamFailed("timeout", "no response headers in time") from None
         except (UpstreamDisconnected, OSError) as e:
-            # e.g. the engine died mid-request.
-            raise UpstreamFailed("disconnect", f"{type(e).__name__}: {e}", True) from None
-        if upstream.status >= 500 and not last:
+            # e.g. the engine died mid-request, or shed the connection under load.
+            raise UpstreamFailed("disconnect", f"{type(e).__name__}: {e}", suspect=True) from None
+        if upstream.status in _RETRYABLE_STATUSES and not last:
             upstream.close()
-            raise UpstreamFailed(f"http_{upstream.status}", f"HTTP {upstream.status}", False)
+            raise UpstreamFailed(
+                f"http_{upstream.status}",
+                f"HTTP {upstream.status}",
+                overload=upstream.status in (429, 503),
+            )
         return upstream
 
     async def _relay(self, resp: HttpResponse, upstream: UpstreamResponse, ep: Endpoint) -> None:
@@ -432,6 +607,26 @@ class Router:
                 # Client gone (handler cancelled) or write failed: close the upstream
                 # connection so the engine sees the disconnect and aborts the request.
                 upstream.close()
+
+
+def _forwarded_headers(
+    headers: list[tuple[bytes, bytes]],
+) -> tuple[list[tuple[bytes, bytes]], tuple[bytes, bytes] | None]:
+    """The request headers an engine gets (hop-by-hop ones dropped, including those the
+    ``Connection`` header names), and the client's ``Authorization`` apart."""
+    drop = _HOP_BY_HOP
+    for k, v in headers:
+        if k.lower() == b"connection":
+            named = {t.strip().lower() for t in v.split(b",")}
+            drop = drop | named
+    out, auth = [], None
+    for k, v in headers:
+        lk = k.lower()
+        if lk == b"authorization":
+            auth = (k, v)
+        elif lk not in drop:
+            out.append((k, v))
+    return out, auth
 
 
 async def serve_forever(router: Router) -> None:

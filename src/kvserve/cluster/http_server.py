@@ -5,6 +5,17 @@ uvicorn uses), keep-alive and pipelining (requests on one connection are handled
 ``Expect: 100-continue``, a body size limit, write flow control, and cancelling a request's
 handler when its client goes away (so the proxied engine request is aborted too).
 
+Slow clients cannot hold a connection: a request's line and headers must arrive within
+``header_timeout_s`` (of the connection, or of the request's first byte on a kept-alive
+one), its body within ``body_timeout_s`` of its headers (else 408, then close); a
+kept-alive connection idle for ``keep_alive_timeout_s`` is closed. One sweep per fraction of
+a second checks every connection: the request path only stores a deadline.
+
+Protocol upgrades are not served: a request asking for one (``Upgrade: h2c`` from
+``curl --http2``) is answered as the HTTP/1.1 request it also is (llhttp stops at such a
+head and would take its body for the new protocol: the head is parsed again without the
+upgrade headers, and the body after it).
+
 A request costs one ``data_received`` and, for a buffered answer, one ``transport.write``:
 the router's added latency is its CPU per request, and a general-purpose framework's request
 and response objects cost more than the routing itself.
@@ -15,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 MAX_HEAD_BYTES = 64 << 10  # request line + headers
+# Headers that ask for (or configure) a protocol upgrade: dropped when a head is re-parsed.
+_UPGRADE_HEADERS = frozenset({b"upgrade", b"http2-settings", b"connection"})
 
 
 @dataclass
@@ -139,6 +153,13 @@ class _Connection(asyncio.Protocol):
         self._body_len = 0
         self._head_len = 0
         self._rejected = False
+        self._in_message = False  # bytes of a request not yet complete were parsed
+        self._upgrade = False  # the request being parsed asks for a protocol upgrade
+        # Slow-client timeouts (checked by the server's sweep while no handler runs): close
+        # at ``_deadline`` (0: none), answering 408 if ``_deadline_408`` (a request begun).
+        self._deadline = time.monotonic() + server.header_timeout_s
+        self._deadline_408 = False
+        self._fresh = True  # no request completed yet
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -156,12 +177,44 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, "protocol upgrades are not supported")
+            while True:
+                try:
+                    self.parser.feed_data(data)
+                    return
+                except httptools.HttpParserUpgrade as e:
+                    # Serve it as HTTP/1.1: parse its head again without the upgrade headers,
+                    # then what followed the head (its body, the next requests).
+                    offset = e.args[0] if e.args else len(data)
+                    head = self._head_without_upgrade()
+                    if head is None:
+                        self._fail(400, "protocol upgrades and CONNECT are not supported")
+                        return
+                    data = head + data[offset:]
+                    self.parser = httptools.HttpRequestParser(self)
         except httptools.HttpParserError as e:
             if not self._rejected:
                 self._fail(400, f"malformed HTTP request: {e}")
+
+    def _head_without_upgrade(self) -> bytes | None:
+        """The head of the request that asked for an upgrade, without the upgrade's headers
+        (``None`` for CONNECT, or when there is no such request)."""
+        if not self._upgrade or self._rejected:
+            return None
+        self._upgrade = False
+        method = self.parser.get_method()
+        if method == b"CONNECT":
+            return None
+        version = self.parser.get_http_version().encode()
+        out = bytearray(b"%b %b HTTP/%b\r\n" % (method, self._url, version))
+        for k, v in self._headers:
+            lk = k.lower()
+            if lk == b"connection":
+                if b"close" in v.lower():
+                    out += b"connection: close\r\n"
+            elif lk not in _UPGRADE_HEADERS:
+                out += b"%b: %b\r\n" % (k, v)
+        out += b"\r\n"
+        return bytes(out)
 
     def pause_writing(self) -> None:
         if self._paused is None or self._paused.done():
@@ -178,6 +231,11 @@ class _Connection(asyncio.Protocol):
         self._body = []
         self._body_len = 0
         self._head_len = 0
+        self._in_message = True
+        if not self._deadline_408:  # the first byte of a request: its head must follow
+            if not self._fresh or not self._deadline:  # (a new connection's runs from connect)
+                self._deadline = time.monotonic() + self.server.header_timeout_s
+            self._deadline_408 = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -193,6 +251,10 @@ class _Connection(asyncio.Protocol):
             self._fail(431, f"request line and headers over {MAX_HEAD_BYTES} bytes")
 
     def on_headers_complete(self) -> None:
+        self._deadline = time.monotonic() + self.server.body_timeout_s
+        if self.parser.should_upgrade():
+            self._upgrade = True  # served as HTTP/1.1 (data_received parses it again)
+            return
         limit = self.server.max_body_bytes
         for k, v in self._headers:
             lk = k.lower()
@@ -210,7 +272,11 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self._rejected:
+        self._in_message = False
+        self._fresh = False
+        self._deadline = 0.0
+        self._deadline_408 = False
+        if self._rejected or self._upgrade:
             return
         url = self._url
         path, _, query = url.partition(b"?")
@@ -230,6 +296,11 @@ class _Connection(asyncio.Protocol):
     def _next(self) -> None:
         if not self._queue or self._closed:
             self._task = None
+            if self._in_message:  # a pipelined request has begun: its rest must follow
+                self._deadline = time.monotonic() + self.server.header_timeout_s
+                self._deadline_408 = True
+            else:
+                self._deadline = time.monotonic() + self.server.keep_alive_timeout_s
             return
         req = self._queue.popleft()
         self._task = asyncio.get_running_loop().create_task(self._handle(req))
@@ -270,6 +341,14 @@ class _Connection(asyncio.Protocol):
         if self._paused is not None and not self._paused.done():
             await self._paused
 
+    def _expire(self) -> None:
+        """Its deadline passed while no handler ran: 408 for a request begun, else close."""
+        if self._deadline_408:
+            self._fail(408, "request not received in time")
+        elif self.transport is not None:
+            self.transport.close()
+            self._closed = True
+
     def _fail(self, status: int, message: str) -> None:
         """Answer a request that cannot be parsed or accepted, then close the connection."""
         self._rejected = True
@@ -292,24 +371,48 @@ class HttpServer:
         error_response: Callable[[int, str], tuple[int, Headers, bytes]],
         *,
         max_body_bytes: int = 64 << 20,
+        header_timeout_s: float = 10.0,
+        body_timeout_s: float = 60.0,
+        keep_alive_timeout_s: float = 30.0,
+        backlog: int = 4096,
     ) -> None:
         self.handler = handler
         self.error_response = error_response
         self.max_body_bytes = max_body_bytes
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.keep_alive_timeout_s = keep_alive_timeout_s
+        self.backlog = backlog
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the bound port (``port=0``: a free one)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=self.backlog
         )
+        self._sweeper = loop.create_task(self._sweep())
         return self._server.sockets[0].getsockname()[1]
+
+    async def _sweep(self) -> None:
+        """Close connections whose client is too slow (see the module doc)."""
+        shortest = min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_timeout_s)
+        period = min(max(shortest / 4, 0.05), 1.0)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self._connections):
+                if conn._task is None and 0 < conn._deadline <= now and not conn._closed:
+                    conn._expire()
 
     async def close(self) -> None:
         if self._server is None:
             return
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         self._server.close()
         tasks = []
         for conn in list(self._connections):

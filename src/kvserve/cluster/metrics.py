@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvserve.cluster.endpoints import EndpointPool
     from kvserve.cluster.event_subscriber import EventSubscriber
     from kvserve.cluster.kv_index import KVIndex
+    from kvserve.cluster.upstream import UpstreamPool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 1)
@@ -30,7 +31,7 @@ class _StateCollector(Collector):
         self._state = state
 
     def collect(self) -> Iterator:
-        pool, index, subscriber = self._state()
+        pool, index, subscriber, upstream = self._state()
         healthy = GaugeMetricFamily(
             "kvserve_router_endpoint_healthy", "1 if the endpoint is routable", labels=["endpoint"]
         )
@@ -55,7 +56,25 @@ class _StateCollector(Collector):
             "Blocks indexed per endpoint",
             labels=["endpoint"],
         )
+        connections = GaugeMetricFamily(
+            "kvserve_router_endpoint_connections",
+            "Connections to the endpoint in use or being opened (capped)",
+            labels=["endpoint"],
+        )
+        queued = GaugeMetricFamily(
+            "kvserve_router_endpoint_queued",
+            "Requests waiting for a connection to the endpoint",
+            labels=["endpoint"],
+        )
+        ejections = CounterMetricFamily(
+            "kvserve_router_endpoint_ejections",
+            "Times the endpoint was taken out of rotation",
+            labels=["endpoint"],
+        )
         for ep in list(pool.endpoints.values()):
+            connections.add_metric([ep.name], upstream.busy(ep.origin))
+            queued.add_metric([ep.name], upstream.queued(ep.origin))
+            ejections.add_metric([ep.name], ep.ejections)
             healthy.add_metric([ep.name], 1.0 if ep.healthy else 0.0)
             in_flight.add_metric([ep.name], ep.in_flight)
             running.add_metric([ep.name], ep.num_requests_running)
@@ -63,6 +82,7 @@ class _StateCollector(Collector):
             kv_usage.add_metric([ep.name], ep.kv_cache_usage_perc)
             blocks.add_metric([ep.name], index.endpoint_num_blocks(ep.name))
         yield from (healthy, in_flight, running, waiting, kv_usage, blocks)
+        yield from (connections, queued, ejections)
         yield GaugeMetricFamily(
             "kvserve_router_kv_index_blocks",
             "Entries (block x endpoint) in the KV index",
@@ -115,7 +135,9 @@ class LabelCache:
 
 
 class RouterMetrics:
-    def __init__(self, state: Callable[[], tuple[EndpointPool, KVIndex, EventSubscriber]]) -> None:
+    def __init__(
+        self, state: Callable[[], tuple[EndpointPool, KVIndex, EventSubscriber, UpstreamPool]]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(

@@ -6,9 +6,16 @@ handed over as they arrive (status and headers first; then body pieces, de-chunk
 read flow control (a connection stops reading while its consumer lags), timeouts for the
 connect and for the first byte, and the failure kinds failover needs:
 
-- :class:`UpstreamConnectError`: nothing reached the endpoint (refused, unreachable, timeout);
+- :class:`UpstreamConnectError`: nothing reached the endpoint (``refused`` says whether the
+  endpoint refused: the one failure that proves it down; a timeout may be our own overload);
 - :class:`UpstreamDisconnected`: the endpoint closed the connection before answering;
-- :class:`UpstreamTimeout`: no response (or no next body piece) in time.
+- :class:`UpstreamTimeout`: no response (or no next body piece) in time;
+- :class:`UpstreamSaturated`: every connection to the endpoint is busy and its queue is full
+  (or a request waited for a connection longer than ``queue_timeout_s``).
+
+Connections per endpoint are bounded (``max_connections``): a request that finds them all
+busy waits in a FIFO queue of at most ``max_queue`` requests for the next one released,
+so a burst of clients never becomes a burst of connects into an engine's accept backlog.
 
 A kept-alive connection the endpoint closed while it idled is not an error: a request that
 gets no byte back on a reused connection is retried once on a fresh one. Idle connections are
@@ -19,6 +26,7 @@ closes them before the engine does).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections import deque
@@ -34,7 +42,9 @@ class UpstreamError(Exception):
 
 
 class UpstreamConnectError(UpstreamError):
-    pass
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused  # the endpoint refused (nothing listens): it is down
 
 
 class UpstreamDisconnected(UpstreamError):
@@ -43,6 +53,10 @@ class UpstreamDisconnected(UpstreamError):
 
 class UpstreamTimeout(UpstreamError):
     pass
+
+
+class UpstreamSaturated(UpstreamError):
+    """No connection to the endpoint free, and no room (or time) left to wait for one."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +194,7 @@ class _UpstreamConnection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self._got_bytes = False
         self._reading_paused = False
+        self.leased = False  # held by a request (it owns one of the origin's slots)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -260,7 +275,7 @@ class _UpstreamConnection(asyncio.Protocol):
             self.response = None
             self._head = None
             self.resume_reading()
-            self.pool._put_idle(self)
+            self.pool._release(self)
         else:
             self.close()
 
@@ -272,8 +287,25 @@ class _UpstreamConnection(asyncio.Protocol):
                 self.transport.close()
 
 
+class _OriginState:
+    """One endpoint's connections: idle ones, slots in use, and requests waiting for one."""
+
+    __slots__ = ("idle", "busy", "waiters")
+
+    def __init__(self) -> None:
+        self.idle: list[_UpstreamConnection] = []
+        self.busy = 0  # slots held by requests (a connection in use or being opened)
+        # FIFO of requests waiting for a slot; each gets a connection or None (open one)
+        self.waiters: deque[asyncio.Future[_UpstreamConnection | None]] = deque()
+
+
 class UpstreamPool:
-    """Keep-alive connections to every endpoint, shared by all requests of the router."""
+    """Keep-alive connections to every endpoint, shared by all requests of the router.
+
+    ``max_connections`` (per endpoint; ``None``: unbounded) bounds connections open or being
+    opened; ``max_queue`` bounds the requests waiting for one, each for at most
+    ``queue_timeout_s``.
+    """
 
     def __init__(
         self,
@@ -282,14 +314,30 @@ class UpstreamPool:
         idle_timeout_s: float = 4.0,
         max_idle_per_origin: int = 64,
         read_buffer_bytes: int = 1 << 20,
+        max_connections: int | None = None,
+        max_queue: int = 0,
+        queue_timeout_s: float = 60.0,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
         self.read_buffer_bytes = read_buffer_bytes
-        self._idle: dict[Origin, list[_UpstreamConnection]] = {}
+        self.max_connections = max_connections
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self._origins: dict[Origin, _OriginState] = {}
         self._all: set[_UpstreamConnection] = set()
         self._ssl: ssl.SSLContext | None = None
+
+    def busy(self, origin: Origin) -> int:
+        """Connections to ``origin`` in use or being opened."""
+        st = self._origins.get(origin)
+        return st.busy if st is not None else 0
+
+    def queued(self, origin: Origin) -> int:
+        """Requests waiting for a connection to ``origin``."""
+        st = self._origins.get(origin)
+        return len(st.waiters) if st is not None else 0
 
     async def request(
         self,
@@ -305,7 +353,8 @@ class UpstreamPool:
         """Send a request; returns once the response's status and headers are in.
 
         ``on_sent`` runs once the request is written, while the endpoint works on it: the
-        caller's bookkeeping there is off the request's critical path.
+        caller's bookkeeping there is off the request's critical path. Raises
+        :class:`UpstreamSaturated` when no connection frees up in time.
         """
         data = b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%bcontent-length: %d\r\n\r\n%b" % (
             method.encode(),
@@ -316,22 +365,39 @@ class UpstreamPool:
             len(body),
             body,
         )
-        conn = self._take_idle(origin)
-        if conn is not None:
+        conn = await self._acquire(origin)  # holds one of the origin's slots from here on
+        for retry in (False, True):
+            if conn is None:
+                try:
+                    conn = await self._connect(origin)
+                except BaseException:
+                    self._release_slot(origin)
+                    raise
+                return await self._exchange(conn, data, first_byte_timeout_s, on_sent)
             try:
                 return await self._exchange(conn, data, first_byte_timeout_s, on_sent)
             except UpstreamDisconnected:
-                if conn._got_bytes:
+                if conn._got_bytes or retry:
                     raise
-                # A stale kept-alive connection: the endpoint closed it while it idled.
+                # A stale kept-alive connection: the endpoint closed it while it idled
+                # (its slot went back with it). Again, on a fresh connection.
                 on_sent = None  # it ran already
-        conn = await self._connect(origin)
-        return await self._exchange(conn, data, first_byte_timeout_s, on_sent)
+                conn = await self._acquire(origin, fresh=True)
+        raise AssertionError("unreachable")
 
-    async def get(self, origin: Origin, path: str, *, timeout_s: float) -> tuple[int, bytes]:
+    async def get(
+        self,
+        origin: Origin,
+        path: str,
+        *,
+        timeout_s: float,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> tuple[int, bytes]:
         """A whole GET exchange within ``timeout_s`` (health checks, scrapes): status, body."""
         async with asyncio.timeout(timeout_s):
-            resp = await self.request(origin, "GET", path, [], b"", first_byte_timeout_s=None)
+            resp = await self.request(
+                origin, "GET", path, headers or [], b"", first_byte_timeout_s=None
+            )
             try:
                 body = await resp.read(None)
             except BaseException:
@@ -357,6 +423,7 @@ class UpstreamPool:
             raise
 
     async def _connect(self, origin: Origin) -> _UpstreamConnection:
+        """A new connection, leased to the caller (who holds a slot for it)."""
         loop = asyncio.get_running_loop()
         ssl_ctx = None
         if origin.tls:
@@ -372,15 +439,94 @@ class UpstreamPool:
             raise UpstreamConnectError(
                 f"connect to {origin.host}:{origin.port} timed out"
             ) from None
+        except ConnectionRefusedError as e:
+            raise UpstreamConnectError(
+                f"cannot connect to {origin.host}:{origin.port}: {e}", refused=True
+            ) from e
         except OSError as e:
             raise UpstreamConnectError(f"cannot connect to {origin.host}:{origin.port}: {e}") from e
+        conn.leased = True
         self._all.add(conn)
         return conn
 
-    def _take_idle(self, origin: Origin) -> _UpstreamConnection | None:
-        idle = self._idle.get(origin)
-        if not idle:
+    # -- slots -----------------------------------------------------------------------------
+    def _state(self, origin: Origin) -> _OriginState:
+        st = self._origins.get(origin)
+        if st is None:
+            st = self._origins[origin] = _OriginState()
+        return st
+
+    async def _acquire(self, origin: Origin, fresh: bool = False) -> _UpstreamConnection | None:
+        """Take a slot: an idle connection (unless ``fresh``), else ``None`` (open one);
+        waits in the origin's queue while every slot is busy."""
+        st = self._state(origin)
+        conn = None if fresh else self._take_idle(st)
+        if conn is not None:
+            st.busy += 1
+            conn.leased = True
+            return conn
+        cap = self.max_connections
+        if fresh and st.idle and cap is not None and st.busy + len(st.idle) >= cap:
+            st.idle[0].close()  # room for the fresh one (close() takes it off the list)
+        if cap is None or st.busy + len(st.idle) < cap:
+            st.busy += 1
             return None
+        if len(st.waiters) >= self.max_queue:
+            raise UpstreamSaturated(f"{cap} connections busy and {self.max_queue} requests waiting")
+        fut: asyncio.Future[_UpstreamConnection | None] = asyncio.get_running_loop().create_future()
+        st.waiters.append(fut)
+        timer = asyncio.get_running_loop().call_later(
+            self.queue_timeout_s,
+            _saturate,
+            fut,
+            f"no connection free after {self.queue_timeout_s} s",
+        )
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                handed = fut.result()  # handed over as we were cancelled: pass it on
+                if handed is not None:
+                    self._release(handed)
+                else:
+                    self._release_slot(origin)
+            raise
+        finally:
+            timer.cancel()
+            if not fut.done() or fut.cancelled() or fut.exception() is not None:
+                with contextlib.suppress(ValueError):
+                    st.waiters.remove(fut)
+
+    def _release(self, conn: _UpstreamConnection) -> None:
+        """A leased connection is free: to the first waiter, else idle."""
+        conn.leased = False
+        st = self._state(conn.origin)
+        while st.waiters:
+            w = st.waiters.popleft()
+            if not w.done():
+                conn.leased = True
+                w.set_result(conn)
+                return
+        st.busy -= 1
+        conn.idle_since = time.monotonic()
+        if len(st.idle) >= self.max_idle_per_origin:
+            conn.close()
+            return
+        st.idle.append(conn)
+
+    def _release_slot(self, origin: Origin) -> None:
+        """A slot without a connection is free: to the first waiter (it connects), else
+        back to the count."""
+        st = self._state(origin)
+        while st.waiters:
+            w = st.waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+        st.busy -= 1
+
+    def _take_idle(self, st: _OriginState) -> _UpstreamConnection | None:
+        idle = st.idle
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # most recently used first: its peer is least likely to drop it
@@ -392,33 +538,46 @@ class UpstreamPool:
             return conn
         return None
 
-    def _put_idle(self, conn: _UpstreamConnection) -> None:
-        idle = self._idle.setdefault(conn.origin, [])
-        conn.idle_since = time.monotonic()
-        if len(idle) >= self.max_idle_per_origin:
-            conn.close()
-            return
-        idle.append(conn)
-
     def _forget(self, conn: _UpstreamConnection) -> None:
+        """``conn`` closed: off the books; a leased one's slot goes to the next waiter."""
         self._all.discard(conn)
-        idle = self._idle.get(conn.origin)
-        if idle and conn in idle:
-            idle.remove(conn)
+        st = self._origins.get(conn.origin)
+        if st is None:
+            return
+        if conn.leased:
+            conn.leased = False
+            self._release_slot(conn.origin)
+        elif conn in st.idle:
+            st.idle.remove(conn)
 
     def prune(self) -> None:
         """Close connections idle longer than ``idle_timeout_s`` (call now and then)."""
         now = time.monotonic()
-        for idle in self._idle.values():
-            for conn in [c for c in idle if now - c.idle_since > self.idle_timeout_s]:
+        for st in self._origins.values():
+            for conn in [c for c in st.idle if now - c.idle_since > self.idle_timeout_s]:
                 conn.close()
 
     def close_origin(self, origin: Origin) -> None:
-        for conn in list(self._idle.pop(origin, [])):
+        st = self._origins.get(origin)
+        if st is None:
+            return
+        for conn in list(st.idle):
             conn.close()
+        if st.busy == 0 and not st.waiters:
+            del self._origins[origin]
 
     async def close(self) -> None:
         for conn in list(self._all):
             conn.close()
-        self._idle.clear()
+        for st in self._origins.values():
+            st.idle.clear()
+            for w in st.waiters:
+                if not w.done():
+                    w.set_exception(UpstreamSaturated("the router is stopping"))
+        self._origins.clear()
         await asyncio.sleep(0)  # let the transports' close callbacks run
+
+
+def _saturate(fut: asyncio.Future, message: str) -> None:
+    if not fut.done():
+        fut.set_exception(UpstreamSaturated(message))
