@@ -137,10 +137,16 @@ class TierSpec:
 
     def describe(self) -> str:
         """For logs: the options, secrets masked."""
-        opts = ",".join(
-            f"{k}={'***' if k in ('password', 'url') and '@' in str(v) else v}"
-            for k, v in self.options.items()
-        )
+
+        def public(k: str, v: Any) -> str:
+            if k == "password":
+                return "***"
+            if k == "url" and "@" in str(v):  # drop the credentials of scheme://user:pw@host
+                scheme, _, rest = str(v).partition("://")
+                return f"{scheme}://***@{rest.rpartition('@')[2]}"
+            return str(v)
+
+        opts = ",".join(f"{k}={public(k, v)}" for k, v in self.options.items())
         return f"{self.type}:{opts}" if opts else self.type
 
 
