@@ -11,6 +11,13 @@ gateway scores requests.
 
 A block stored twice under one hash on one medium (engines may hold duplicates) must be
 removed twice before it is gone, as the engine's own pool behaves.
+
+Shared storage tiers (events with ``medium="STORAGE"``, ``shared=True`` and a ``tier`` id, as
+kvserve engines publish for a shared file system or Redis/Valkey tier) are indexed twice: for
+the publishing endpoint, and under a virtual holder for the tier itself. Every endpoint that
+published an event of that tier is a member of it, and a block the tier holds counts for every
+member at the tier's weight, whoever wrote it: a prefix computed on one instance is a hit
+(a cheaper one than GPU) on every instance that can load it.
 """
 
 from __future__ import annotations
@@ -46,11 +53,22 @@ DEFAULT_TIER_WEIGHTS: dict[str, float] = {
 }
 
 
-def medium_bit(medium: str | None) -> int:
-    """Bit of a medium name; ``None`` (vLLM's default) is the primary pool, GPU."""
+def medium_bit(medium: str | None, tier: str | None = None) -> int:
+    """Bit of a medium name; ``None`` (vLLM's default) is the primary pool, GPU. vLLM's
+    ``STORAGE`` is told apart by kvserve's ``tier`` (``disk``, ``fs:...``, ``redis://...``)."""
     if medium is None:
         return 1
-    return MEDIUM_BITS.get(medium.upper(), OTHER_MEDIUM_BIT)
+    medium = medium.upper()
+    if medium == "STORAGE":
+        kind = (tier or "").split(":", 1)[0].lower()
+        if kind == "disk":
+            return MEDIUM_BITS["DISK"]
+        if kind == "fs":
+            return MEDIUM_BITS["FS"]
+        if kind in ("redis", "rediss", "valkey", "valkeys", "unix"):
+            return MEDIUM_BITS["REDIS"]
+        return OTHER_MEDIUM_BIT
+    return MEDIUM_BITS.get(medium, OTHER_MEDIUM_BIT)
 
 
 def mask_weights(tier_weights: dict[str, float]) -> list[float]:
@@ -160,6 +178,10 @@ class KVIndex:
         self._next_bit = 1
         self._holders: dict[int, int] = {}
         self._lower: dict[int, int] = {}
+        # Shared storage tiers: tier id -> its virtual holder; holder bit -> member endpoints.
+        self._tiers: dict[str, _EndpointBlocks] = {}
+        self._tier_members: dict[int, int] = {}
+        self._tier_bits = 0
         self._lock = threading.Lock()
         self.stats = IndexStats()
 
@@ -239,11 +261,22 @@ class KVIndex:
     def _runs(self, keys: Sequence[int], alive: int) -> dict[int, tuple[int, float]]:
         """Run length and weighted run, from block 0, of every endpoint bit in ``alive``."""
         holders, lower = self._holders, self._lower
+        tier_bits, members = self._tier_bits, self._tier_members
         runs: dict[int, int] = {}
         penalty: dict[int, float] = {}
         i = -1
         for i, k in enumerate(keys):  # noqa: B007 - i is used after the loop
-            m = holders.get(k, 0) & alive
+            m = holders.get(k, 0)
+            if m & tier_bits:  # in a shared tier: held for every member too
+                w, by_bit = self.mask_weights, self._by_bit
+                for tb in _bits(m & tier_bits):
+                    via = members.get(tb, 0) & alive & ~m
+                    if via:
+                        cost = 1.0 - w[by_bit[tb].by_key[k].mask]
+                        for b in _bits(via):
+                            penalty[b] = penalty.get(b, 0.0) + cost
+                        m |= via
+            m &= alive
             if m != alive:
                 for b in _bits(alive ^ m):
                     runs[b] = i
@@ -274,8 +307,12 @@ class KVIndex:
             for ev in events:
                 if isinstance(ev, BlockStored):
                     n += self._store(ep, ev)
+                    if ev.shared and ev.tier:
+                        self._store(self._shared_tier(ev.tier, ep), ev, fallback=ep)
                 elif isinstance(ev, BlockRemoved):
                     n += self._remove(ep, ev)
+                    if ev.shared and ev.tier:
+                        self._remove(self._shared_tier(ev.tier, ep), ev)
                 elif isinstance(ev, AllBlocksCleared):
                     self._clear(ep)
                     self.stats.clears += 1
@@ -297,6 +334,34 @@ class KVIndex:
                 self._clear(ep)
                 del self._by_bit[ep.bit]
                 self._free_bits.append(ep.bit)
+                for tb in self._tier_members:
+                    self._tier_members[tb] &= ~ep.bit
+
+    def add_tier_member(self, endpoint: str, tier: str) -> None:
+        """``endpoint`` can load from shared tier ``tier`` (from configuration; events teach
+        it too)."""
+        with self._lock:
+            ep = self._endpoints.get(endpoint) or self._add_endpoint(endpoint)
+            self._shared_tier(tier, ep)
+
+    def tier_members(self, tier: str) -> list[str]:
+        with self._lock:
+            holder = self._tiers.get(tier)
+            mask = self._tier_members.get(holder.bit, 0) if holder else 0
+            return [n for n, ep in self._endpoints.items() if ep.bit & mask]
+
+    def _shared_tier(self, tier: str, member: _EndpointBlocks) -> _EndpointBlocks:
+        """The virtual holder of shared tier ``tier``, with ``member`` among its members."""
+        holder = self._tiers.get(tier)
+        if holder is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._next_bit = self._next_bit, self._next_bit << 1
+            holder = self._tiers[tier] = self._by_bit[bit] = _EndpointBlocks(bit)
+            self._tier_bits |= bit
+        self._tier_members[holder.bit] = self._tier_members.get(holder.bit, 0) | member.bit
+        return holder
 
     def _add_endpoint(self, endpoint: str) -> _EndpointBlocks:
         if self._free_bits:
@@ -325,7 +390,11 @@ class KVIndex:
         ep.by_key.clear()
         ep.ghosts.clear()
 
-    def _store(self, ep: _EndpointBlocks, ev: BlockStored) -> int:
+    def _store(
+        self, ep: _EndpointBlocks, ev: BlockStored, fallback: _EndpointBlocks | None = None
+    ) -> int:
+        """Index ``ev``'s blocks for ``ep``; a parent unknown to ``ep`` is resolved through
+        ``fallback`` (the publisher, for a shared tier's holder)."""
         bs = ev.block_size
         hashes = ev.block_hashes
         tokens = ev.token_ids
@@ -341,14 +410,12 @@ class KVIndex:
         if ev.parent_block_hash is None:
             parent = self._root
         else:
-            pe = ep.by_engine.get(ev.parent_block_hash)
-            if pe is not None:
-                parent = pe.key_bytes
-            else:
-                parent = ep.ghosts.get(ev.parent_block_hash)
-                if parent is None:
-                    self.stats.unresolved_parents += n
-                    return 0
+            parent = self._resolve(ep, ev.parent_block_hash)
+            if parent is None and fallback is not None:
+                parent = self._resolve(fallback, ev.parent_block_hash)
+            if parent is None:
+                self.stats.unresolved_parents += n
+                return 0
         # Our keys for the event's blocks: the hash chain from the resolved parent.
         data = encode_tokens(tokens)
         stride = 4 * bs
@@ -365,7 +432,7 @@ class KVIndex:
                 x = extra[i] if i < len(extra) else None
                 parent = hash_block(parent, data[i * stride : (i + 1) * stride], x)
                 key_bytes.append(parent)
-        bit = medium_bit(ev.medium)
+        bit = medium_bit(ev.medium, ev.tier)
         by_engine, by_key = ep.by_engine, ep.by_key
         holders, epbit = self._holders, ep.bit
         frm = int.from_bytes
@@ -420,6 +487,12 @@ class KVIndex:
         self._bound(ep)
         return n
 
+    @staticmethod
+    def _resolve(ep: _EndpointBlocks, engine_hash: int) -> bytes | None:
+        """Our key bytes of ``ep``'s block ``engine_hash`` (held, or a recent ghost)."""
+        pe = ep.by_engine.get(engine_hash)
+        return pe.key_bytes if pe is not None else ep.ghosts.get(engine_hash)
+
     def _bound(self, ep: _EndpointBlocks) -> None:
         by_key = ep.by_key
         for _ in range(len(by_key) - self.max_blocks_per_endpoint):
@@ -440,7 +513,7 @@ class KVIndex:
             self._lower.pop(key, None)
 
     def _remove(self, ep: _EndpointBlocks, ev: BlockRemoved) -> int:
-        bit = medium_bit(ev.medium)
+        bit = medium_bit(ev.medium, ev.tier)
         by_engine, by_key = ep.by_engine, ep.by_key
         for h in ev.block_hashes:
             e = by_engine.get(h)
