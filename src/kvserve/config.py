@@ -95,6 +95,22 @@ class ServerConfig:
     port: int = 8000
     max_n: int = 16  # largest accepted `n`
     log_level: str = "warning"
+    # Authentication (kvserve.server.auth). `kvserve serve` also reads VLLM_API_KEY and
+    # KVSERVE_API_KEY when no --api-key is given.
+    api_key: list[str] = field(default_factory=list)  # bearer key for /v1/* (repeatable)
+    api_key_all_endpoints: bool = False  # the key guards /metrics, /version, docs too (not /health)
+    # Limits (kvserve.server.limits): each refused with a 4xx naming the limit.
+    max_request_body_bytes: int = 8 << 20  # larger bodies: 413
+    max_seqs_per_request: int = 256  # prompts x n of one request
+    max_prompts_per_request: int = 256  # entries of a completions prompt list
+    max_stop_strings: int = 64  # stop strings of a request (and, separately, stop_token_ids)
+    max_stop_chars: int = 4096  # total characters of a request's stop strings
+    max_messages: int = 2048  # messages of a chat request
+    # Admission: sequences in the engine beyond max_num_seqs; more get 429 with Retry-After.
+    max_waiting_requests: int = 2048
+    timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open
+    timeout_request_header: float = 10.0  # seconds a request's header may take to arrive
+    tokenizer_workers: int = 1  # processes tokenizing large prompts off the loop (0: inline)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kvserve.config import EngineConfig, ServerConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine import LLMEngine
 from kvserve.server.api_server import build_app
+from kvserve.server.http_protocol import uvicorn_config
 
 MAX_MODEL_LEN = 256
 NUM_KV_BLOCKS = 64  # 63 usable blocks of 16 tokens
@@ -85,7 +86,11 @@ def start_server(engine: LLMEngine, config: ServerConfig | None = None) -> Runni
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn_config(
+            app, config or ServerConfig(), log_level="warning", timeout_graceful_shutdown=2
+        )
+    )
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
     )

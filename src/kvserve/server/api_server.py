@@ -1,10 +1,14 @@
-"""The FastAPI application of one engine: routes, error mapping, health and metrics.
+"""The FastAPI application of one engine: routes, request bodies, error mapping, health, metrics.
 
 Owns the HTTP surface: POST /v1/completions and /v1/chat/completions (delegated to
-:class:`OpenAIServing`), GET /v1/models, /health, /metrics, /version, and FastAPI's
-/openapi.json. Every error, including invalid JSON and wrong types (FastAPI's 422), leaves as
-an OpenAI-style error body; a client that disconnects before its non-streaming response is
-ready aborts its requests (streaming responses abort through the SSE generator).
+:class:`OpenAIServing`), GET /v1/models, /health, /metrics, /version, and /openapi.json.
+Generation bodies are read here, not by FastAPI: at most ``max_request_body_bytes`` (else
+413), decoded by msgspec (strict JSON: a lone UTF-16 surrogate, NaN or a nesting too deep is
+a 400, never a 500), checked against the request limits, then validated by pydantic. Every
+error leaves as an OpenAI-style error body (405 with ``Allow``); a client that disconnects
+before its non-streaming response is ready aborts its requests (streaming responses abort
+through the SSE generator). With API keys configured, :class:`ApiKeyMiddleware` checks them
+before any body is read.
 """
 
 from __future__ import annotations
@@ -12,22 +16,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.config import ServerConfig
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.server.admission import AdmissionControl
+from kvserve.server.auth import ApiKeyMiddleware
 from kvserve.server.errors import APIError
+from kvserve.server.limits import RequestLimits, max_prompt_chars
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -37,20 +49,51 @@ from kvserve.server.protocol import (
     ModelList,
 )
 from kvserve.server.serving import OpenAIServing
+from kvserve.server.tokenizer_pool import TokenizerPool
+from kvserve.server.tokenizer_worker import malloc_trim
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse},
-    500: {"model": ErrorResponse},
-    503: {"model": ErrorResponse},
+# After a request body this large, freed memory is handed back to the OS (malloc_trim).
+_TRIM_AFTER_BYTES = 1 << 20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _error(status: int, description: str) -> dict[str, Any]:
+    return {"description": description, "model": ErrorResponse}
+
+
+_GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error(400, "Invalid request (the error names the parameter)"),
+    401: _error(401, "Missing or wrong API key (when the server has keys)"),
+    404: _error(404, "Unknown model (code model_not_found)"),
+    413: _error(413, "Request body over --max-request-body-bytes"),
+    429: _error(429, "The engine's queue is full; retry after Retry-After seconds"),
+    500: _error(500, "The engine failed"),
+    503: _error(503, "The engine is not running"),
 }
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _sse_response(chunk: type[BaseModel], what: str) -> dict[int | str, dict[str, Any]]:
+    """The 200 response: JSON, or with ``stream: true`` server-sent events."""
+    return {
+        200: {
+            "description": f"The {what} (JSON), or with stream=true a text/event-stream of "
+            f"`data: <{chunk.__name__} JSON>` events ending with `data: [DONE]`",
+            "content": {
+                "text/event-stream": {
+                    "schema": {"type": "string", "description": f"SSE of {chunk.__name__}"}
+                }
+            },
+        },
+        **_GENERATION_ERRORS,
+    }
+
+
+def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """One line per offending top-level field (union branches folded), and the first field."""
     by_field: dict[str, list[str]] = {}
-    for err in exc.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             detail = err.get("ctx", {}).get("error", err.get("msg"))
@@ -69,6 +112,46 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = [f"{f}: {' or '.join(m)}" if f else " or ".join(m) for f, m in by_field.items()]
     param = next((f for f in by_field if f), None)
     return "; ".join(parts) or "Invalid request", param
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413 as soon as it is known to be more)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestLimits(max_request_body_bytes=limit).body_too_large(int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestLimits(max_request_body_bytes=limit).body_too_large(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode_json(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        raise APIError("The request body is empty; send a JSON object")
+    try:
+        data = msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        message = f"Invalid JSON body: {exc}"
+        if _SURROGATE_ESCAPE.search(body):
+            message += " (a lone UTF-16 surrogate such as \\ud800 is not valid text)"
+        raise APIError(message) from None
+    except RecursionError:
+        raise APIError("Invalid JSON body: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise APIError("The request body must be a JSON object (Content-Type: application/json)")
+    return data
+
+
+def _validate(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = _validation_message(exc.errors())
+        raise APIError(message, 400, param=param) from None
 
 
 async def _until_disconnected(request: Request, work: Awaitable[Response]) -> Response:
@@ -93,6 +176,11 @@ async def _until_disconnected(request: Request, work: Awaitable[Response]) -> Re
     return task.result()
 
 
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
 def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     """The app serving ``engine``; starts the engine thread on startup (idempotent)."""
     config = config or ServerConfig()
@@ -100,12 +188,21 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     metrics = ServerMetrics(
         llm.model_name, engine.stats, getattr(llm, "connector", None) is not None
     )
-    serving = OpenAIServing(engine, metrics, config.max_n)
+    limits = RequestLimits.from_config(config)
+    tokenizer_dir = llm.config.tokenizer or llm.config.model
+    tokenizers = TokenizerPool.acquire(llm.tokenizer, tokenizer_dir, config.tokenizer_workers)
+    admission = AdmissionControl(engine, llm.config.max_num_seqs, config.max_waiting_requests)
+    serving = OpenAIServing(
+        engine, metrics, tokenizers, admission, max_prompt_chars(llm.tokenizer, llm.max_model_len)
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        yield
+        try:
+            yield
+        finally:
+            tokenizers.release()
 
     app = FastAPI(
         title="kvserve",
@@ -116,52 +213,95 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
+    app.state.tokenizers = tokenizers
+    app.state.admission = admission
+    app.state.limits = limits
+    if config.api_key:
+        app.add_middleware(
+            ApiKeyMiddleware, api_keys=config.api_key, all_endpoints=config.api_key_all_endpoints
+        )
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(list(exc.errors()))
         return APIError(message, 400, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(str(exc.detail), exc.status_code).response()
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(str(exc.detail), exc.status_code, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
         return APIError(f"internal server error: {exc!r}", 500).response()
+
+    async def generate(request: Request, model: type[BaseModel], check: Any, run: Any) -> Response:
+        body = b""
+        try:
+            try:
+                body = await _read_body(request, limits.max_request_body_bytes)
+                data = _decode_json(body)
+                check(data)
+                req = _validate(model, data)
+                del data
+                return await _until_disconnected(request, run(req))
+            except APIError as exc:
+                metrics.request_rejected(exc.status)
+                raise
+        finally:
+            if len(body) >= _TRIM_AFTER_BYTES:
+                del body
+                await asyncio.get_running_loop().run_in_executor(None, malloc_trim)
 
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
-        responses=_ERRORS,
+        responses=_sse_response(CompletionResponse, "completion"),
         summary="Create a completion (SSE when stream is true)",
+        openapi_extra=_body_schema(CompletionRequest),
     )
-    async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await _until_disconnected(request, serving.create_completion(body))
+    async def create_completion(request: Request) -> Response:
+        return await generate(
+            request,
+            CompletionRequest,
+            lambda d: limits.check_completion(d, llm.max_model_len),
+            serving.create_completion,
+        )
 
     @app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses=_ERRORS,
+        responses=_sse_response(ChatCompletionChunk, "chat completion"),
         summary="Create a chat completion (SSE when stream is true)",
+        openapi_extra=_body_schema(ChatCompletionRequest),
     )
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _until_disconnected(request, serving.create_chat_completion(body))
+    async def create_chat_completion(request: Request) -> Response:
+        return await generate(
+            request, ChatCompletionRequest, limits.check_chat, serving.create_chat_completion
+        )
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses={401: _GENERATION_ERRORS[401]})
     async def list_models() -> ModelList:
         card = ModelCard(id=llm.model_name, root=llm.config.model, max_model_len=llm.max_model_len)
         return ModelList(data=[card])
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.get(
+        "/health",
+        responses={
+            200: {
+                "description": "The engine runs",
+                "content": {"application/json": {"example": {"status": "ok"}}},
+            },
+            503: _error(503, "The engine loop failed or is not running"),
+        },
+    )
     async def health() -> Response:
         if engine.is_alive:
-            return Response(status_code=200)
+            return Response(b'{"status":"ok"}', media_type="application/json")
         reason = f"engine loop failed: {engine.error!r}" if engine.error else "engine not running"
         return APIError(reason, 503).response()
 
@@ -173,4 +313,22 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAP
     async def version() -> dict[str, str]:
         return {"version": kvserve.__version__}
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the two request bodies this app reads itself."""
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                tree = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(tree.pop("$defs", {}))
+                components[model.__name__] = tree
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -1,8 +1,10 @@
 """`kvserve serve`: one engine behind the OpenAI-compatible HTTP API.
 
-Owns process wiring only: flags from :class:`EngineConfig` and :class:`ServerConfig`, the
-engine and its thread, the optional KV event publisher (a step listener that publishes
-``engine.take_kv_events()``), uvicorn, and a clean shutdown on SIGINT/SIGTERM.
+Owns process wiring only: flags from :class:`EngineConfig` and :class:`ServerConfig` (API
+keys from ``--api-key``, else ``VLLM_API_KEY`` / ``KVSERVE_API_KEY``), the engine and its
+thread, the optional KV event publisher (a step listener that publishes
+``engine.take_kv_events()``), uvicorn with the guarded HTTP protocol (header and keep-alive
+timeouts), and a clean shutdown on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.engine import LLMEngine
     from kvserve.server.api_server import build_app
+    from kvserve.server.auth import resolve_api_keys
+    from kvserve.server.http_protocol import uvicorn_config
 
     engine_config: EngineConfig = from_args(EngineConfig, args)
     server_config: ServerConfig = from_args(ServerConfig, args)
@@ -96,17 +100,20 @@ def run(args: argparse.Namespace) -> int:
         )
         async_engine.step_listeners.append(kv_event_listener(engine, publisher))
 
+    server_config.api_key = resolve_api_keys(server_config.api_key)
     app = build_app(async_engine, server_config)
     server = uvicorn.Server(
-        uvicorn.Config(
+        uvicorn_config(
             app,
+            server_config,
             log_level=server_config.log_level,
             timeout_graceful_shutdown=5,
             access_log=server_config.log_level in ("debug", "info"),
         )
     )
     print(
-        f"kvserve: serving {engine.model_name!r} on http://{server_config.host}:{port}",
+        f"kvserve: serving {engine.model_name!r} on http://{server_config.host}:{port}"
+        + (" (API key required)" if server_config.api_key else ""),
         file=sys.stderr,
         flush=True,
     )

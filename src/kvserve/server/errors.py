@@ -1,26 +1,30 @@
 """OpenAI-style API errors: the exception the handlers raise and the body clients receive.
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}`` with an
-HTTP status: 400 for bad input (including an unknown model, see
-:data:`UNKNOWN_MODEL_STATUS`), 500 when the engine failed, 503 when it is not running.
+HTTP status: 400 for bad input, 401 without a valid API key, 404 for an unknown route or model
+(``code`` "model_not_found", as OpenAI and vLLM answer), 405 with ``Allow``, 413 for a body
+over the limit, 429 with ``Retry-After`` when the engine's queue is full, 500 when the engine
+failed, 503 when it is not running.
 """
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
+import json
+
+from fastapi.responses import Response
 
 from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
-# OpenAI and vLLM answer an unknown model with 404; the kvserve issue groups it with the other
-# bad inputs (400). We follow the issue; ``code`` is "model_not_found" either way so clients
-# can tell it apart.
-UNKNOWN_MODEL_STATUS = 400
+UNKNOWN_MODEL_STATUS = 404
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
@@ -37,6 +41,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -44,14 +49,21 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(
             error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         )
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII JSON: a message quoting client text can always be encoded.
+        return Response(
+            json.dumps(self.body().model_dump()),
+            status_code=self.status,
+            headers=self.headers,
+            media_type="application/json",
+        )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -246,10 +246,21 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self._request_success.labels(model_name, reason)
+        # kvserve's own: requests refused before the engine saw them, by HTTP status (4xx,
+        # 429 when the queue is full, 503).
+        self._request_rejected = Counter(
+            "kvserve:request_rejected",
+            "Count of API requests refused before reaching the engine, by HTTP status.",
+            ["model_name", "status"],
+            registry=r,
+        )
         r.register(_EngineStatsCollector(model_name, stats_fn, has_connector))
 
     def request_success(self, finished_reason: str) -> None:
         self._request_success.labels(self.model_name, finished_reason).inc()
+
+    def request_rejected(self, status: int) -> None:
+        self._request_rejected.labels(self.model_name, str(status)).inc()
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

@@ -22,7 +22,16 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # usage on every chunk (vLLM extension)
+    # Usage on every chunk too (vLLM extension; needs include_usage, as in vLLM).
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Request):
+    """Only ``text`` is served: ``json_object`` / ``json_schema`` need guided decoding, which
+    kvserve does not have, and are refused with 400 rather than silently ignored."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class SamplingFields(_Request):
@@ -47,6 +56,7 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # isolates this tenant's prefix cache
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -66,6 +76,9 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
+    """``developer`` is rendered as ``system`` (as OpenAI treats it for models without that
+    role); ``tool`` reaches the template, and a template without it gets a 400."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -81,7 +94,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None  # accepted only empty (not implemented)
     add_generation_prompt: bool = True  # vLLM extension
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (passed to the template)
+    # vLLM extension: extra variables for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

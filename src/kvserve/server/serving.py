@@ -1,9 +1,12 @@
 """OpenAI completions and chat completions on top of an :class:`AsyncEngine`.
 
-Owns request validation (model, prompt, lengths, sampling fields), the fan-out of one API
-request into engine requests (one per prompt and choice, ``n`` with derived seeds), and the
-assembly of responses and SSE chunks from engine outputs. Every engine request it starts is
-aborted if the response ends early (client gone, error), so no request or block leaks.
+Owns request validation (model, prompt, lengths, sampling fields), tokenization through the
+:class:`TokenizerPool` (large inputs off the event loop), admission (429 when the engine's
+queue is full), the fan-out of one API request into engine requests (one per prompt and
+choice, ``n`` with derived seeds), and the assembly of responses and SSE chunks from engine
+outputs. Every engine request it starts is aborted if the response ends early (client gone,
+error), so no request or block leaks. The limits on what a request may ask for are checked
+before it gets here (:mod:`kvserve.server.limits`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from pydantic import BaseModel
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
+from kvserve.server import tokenizer_worker as jobs
+from kvserve.server.admission import AdmissionControl
 from kvserve.server.errors import UNKNOWN_MODEL_STATUS, APIError, bad_request
+from kvserve.server.limits import context_length_exceeded
 from kvserve.server.metrics import RequestTracker, ServerMetrics
 from kvserve.server.protocol import (
     CacheBreakdown,
@@ -44,6 +50,7 @@ from kvserve.server.protocol import (
     TopLogprob,
     Usage,
 )
+from kvserve.server.tokenizer_pool import TokenizerPool, TokenizerUnavailable
 
 _INT64 = 1 << 64
 
@@ -54,6 +61,7 @@ class _Choice:
 
     index: int
     prompt_index: int
+    num_prompt_tokens: int
     tracker: RequestTracker
     stream: RequestStream | None = None
     last: RequestOutput | None = None
@@ -154,10 +162,19 @@ def _sse(payload: str) -> str:
 class OpenAIServing:
     """The two generation endpoints of one engine."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, max_n: int) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        tokenizers: TokenizerPool,
+        admission: AdmissionControl,
+        max_prompt_chars: int,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.max_n = max_n
+        self.tokenizers = tokenizers
+        self.admission = admission
+        self.max_prompt_chars = max_prompt_chars
         llm = engine.engine
         self.tokenizer = llm.tokenizer
         self.model_name: str = llm.model_name
@@ -175,25 +192,51 @@ class OpenAIServing:
         return self.model_name
 
     def _check_common(self, req: SamplingFields) -> None:
-        if req.n > self.max_n:
-            raise bad_request(f"n must be at most {self.max_n}, got {req.n}", "n")
         if req.presence_penalty or req.frequency_penalty:
             raise bad_request("presence_penalty and frequency_penalty are not supported")
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(
+                f"response_format {req.response_format.type!r} is not supported: kvserve has no "
+                "guided decoding; only 'text' is accepted.",
+                "response_format",
+            )
 
     def _check_tokens(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request("The prompt is empty.", param)
         if len(token_ids) >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt has {len(token_ids)} tokens; at least one token must be generated.",
-                param,
-                "context_length_exceeded",
+            raise context_length_exceeded(
+                self.max_model_len, f"your prompt has {len(token_ids)} tokens", param
             )
+
+    def _job_result(self, result: tuple[str, Any], param: str) -> list[int]:
+        """Token ids from a tokenization job, or the 400 it amounts to."""
+        status, value = result
+        if status == jobs.OK:
+            self._check_tokens(value, param)
+            return value
+        if status == jobs.TOO_LONG:
+            raise context_length_exceeded(
+                self.max_model_len, f"your prompt has {value} tokens", param
+            )
+        if status == jobs.TOO_LONG_CHARS:
+            raise context_length_exceeded(
+                self.max_model_len,
+                f"your prompt has {value} characters, more than any prompt of that many tokens "
+                f"can have ({self.max_prompt_chars})",
+                param,
+            )
+        raise bad_request(f"chat template failed: {value}", param)
+
+    async def _tokenize(self, work: Any, param: str) -> list[int]:
+        try:
+            return self._job_result(await work, param)
+        except TokenizerUnavailable as exc:
+            raise APIError(f"tokenization failed: {exc}; retry", 503) from exc
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         if max_tokens is None:
@@ -244,7 +287,12 @@ class OpenAIServing:
         batch = _Batch(f"{prefix}-{uuid.uuid4().hex}", model)
         for p in range(len(params)):
             for j in range(req.n):
-                c = _Choice(index=p * req.n + j, prompt_index=p, tracker=self.metrics.track())
+                c = _Choice(
+                    index=p * req.n + j,
+                    prompt_index=p,
+                    num_prompt_tokens=len(prompts[p]),
+                    tracker=self.metrics.track(),
+                )
                 batch.choices.append(c)
         try:
             results = await asyncio.gather(
@@ -287,7 +335,8 @@ class OpenAIServing:
         return stream
 
     # -- completions ----------------------------------------------------------------------
-    def _completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+    @staticmethod
+    def _prompt_items(req: CompletionRequest) -> list[Any]:
         prompt = req.prompt
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
@@ -297,12 +346,19 @@ class OpenAIServing:
             items = list(prompt)
         if not items:
             raise bad_request("The prompt is empty.", "prompt")
+        return items
+
+    async def _completion_prompts(self, items: list[Any]) -> list[list[int]]:
         out = []
         for item in items:
             if not item:  # before tokenizing: "" would still get a BOS token
                 raise bad_request("The prompt is empty.", "prompt")
-            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
-            self._check_tokens(ids, "prompt")
+            if isinstance(item, str):
+                work = self.tokenizers.encode(item, self.max_prompt_chars, self.max_model_len)
+                ids = await self._tokenize(work, "prompt")
+            else:
+                ids = list(item)
+                self._check_tokens(ids, "prompt")
             out.append(ids)
         return out
 
@@ -315,20 +371,24 @@ class OpenAIServing:
             raise bad_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
-        prompts = self._completion_prompts(req)
-        params = [
-            self._params(
-                req,
-                self._max_tokens(len(ids), req.max_tokens, "max_tokens"),
-                req.logprobs,
-                req.seed,
-            )
-            for ids in prompts
-        ]
-        batch = await self._start("cmpl", model, req, prompts, params)
+        items = self._prompt_items(req)
+        with self.admission.admit(len(items) * req.n):
+            prompts = await self._completion_prompts(items)
+            params = [
+                self._params(
+                    req,
+                    self._max_tokens(len(ids), req.max_tokens, "max_tokens"),
+                    req.logprobs,
+                    req.seed,
+                )
+                for ids in prompts
+            ]
+            batch = await self._start("cmpl", model, req, prompts, params)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _streaming(self._completion_stream(batch, req.logprobs, include_usage))
+            include_usage, continuous = _usage_options(req)
+            return _streaming(
+                self._completion_stream(batch, req.logprobs, include_usage, continuous)
+            )
         await _drain(batch)
         choices = [
             CompletionChoice(
@@ -347,7 +407,7 @@ class OpenAIServing:
         return _json(resp)
 
     def _completion_stream(
-        self, batch: _Batch, logprobs: int | None, include_usage: bool
+        self, batch: _Batch, logprobs: int | None, include_usage: bool, continuous: bool
     ) -> AsyncIterator[str]:
         def choice(c: _Choice, out: CompletionOutput, text: str) -> CompletionChoice:
             return CompletionChoice(
@@ -361,7 +421,12 @@ class OpenAIServing:
             )
 
         return _sse_stream(
-            batch, CompletionResponse, choice, include_usage, every_token=logprobs is not None
+            batch,
+            CompletionResponse,
+            choice,
+            include_usage,
+            continuous,
+            every_token=logprobs is not None,
         )
 
     def _token_text(self, token_id: int) -> str:
@@ -379,42 +444,58 @@ class OpenAIServing:
             res.token_logprobs.append(lps.get(tid))
             res.text_offset.append(offset)
             offset += len(tok)
-            top = sorted(lps.items(), key=lambda kv: -kv[1])[:k]
-            res.top_logprobs.append({self._token_text(t): lp for t, lp in top} if k else None)
+            # The engine gives the top k and the sampled token (k + 1 entries at most, as
+            # vLLM returns them; with logprobs=0, the sampled token alone).
+            top = sorted(lps.items(), key=lambda kv: -kv[1])
+            res.top_logprobs.append({self._token_text(t): lp for t, lp in top})
         return res
 
     # -- chat completions -----------------------------------------------------------------
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _check_chat(self, req: ChatCompletionRequest) -> list[dict[str, Any]]:
+        """The messages as the template gets them (``developer`` as ``system``)."""
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
         if req.tools:
             raise bad_request("tools are not supported", "tools")
+        reserved = jobs.RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ())
+        if reserved:
+            raise bad_request(
+                f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}",
+                "chat_template_kwargs",
+            )
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        try:
-            ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt)
-        except Exception as exc:  # jinja errors (raise_exception in the template, ...)
-            raise bad_request(f"chat template failed: {exc}", "messages") from exc
-        self._check_tokens(ids, "messages")
-        return ids
+        for m in messages:
+            if m["role"] == "developer":
+                m["role"] = "system"
+        return messages
 
     async def create_chat_completion(self, req: ChatCompletionRequest) -> Response:
         model = self.check_model(req.model)
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        ids = self._chat_prompt(req)
-        if req.max_completion_tokens is not None:
-            max_tokens = self._max_tokens(
-                len(ids), req.max_completion_tokens, "max_completion_tokens"
+        messages = self._check_chat(req)
+        with self.admission.admit(req.n):
+            work = self.tokenizers.encode_chat(
+                messages,
+                req.add_generation_prompt,
+                req.chat_template_kwargs,
+                self.max_prompt_chars,
+                self.max_model_len,
             )
-        else:
-            max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens")
-        k = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self._params(req, max_tokens, k, req.seed)]
-        batch = await self._start("chatcmpl", model, req, [ids], params)
+            ids = await self._tokenize(work, "messages")
+            if req.max_completion_tokens is not None:
+                max_tokens = self._max_tokens(
+                    len(ids), req.max_completion_tokens, "max_completion_tokens"
+                )
+            else:
+                max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens")
+            k = (req.top_logprobs or 0) if req.logprobs else None
+            params = [self._params(req, max_tokens, k, req.seed)]
+            batch = await self._start("chatcmpl", model, req, [ids], params)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _streaming(self._chat_stream(batch, k, include_usage))
+            include_usage, continuous = _usage_options(req)
+            return _streaming(self._chat_stream(batch, k, include_usage, continuous))
         await _drain(batch)
         choices = [
             ChatCompletionChoice(
@@ -432,7 +513,9 @@ class OpenAIServing:
         )
         return _json(resp)
 
-    def _chat_stream(self, batch: _Batch, k: int | None, include_usage: bool) -> AsyncIterator[str]:
+    def _chat_stream(
+        self, batch: _Batch, k: int | None, include_usage: bool, continuous: bool
+    ) -> AsyncIterator[str]:
         def choice(c: _Choice, out: CompletionOutput, text: str) -> ChatCompletionChunkChoice:
             return ChatCompletionChunkChoice(
                 index=c.index,
@@ -454,6 +537,7 @@ class OpenAIServing:
             ChatCompletionChunk,
             choice,
             include_usage,
+            continuous,
             every_token=k is not None,
             first=first,
         )
@@ -496,18 +580,36 @@ async def _drain(batch: _Batch) -> None:
         batch.abort()
 
 
+def _usage_options(req: SamplingFields) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage on every chunk): vLLM's rule, the second needs the first."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts and opts.continuous_usage_stats)
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
 async def _sse_stream(
     batch: _Batch,
     chunk_type: type[CompletionResponse] | type[ChatCompletionChunk],
     choice: Callable[[_Choice, CompletionOutput, str], Any],
     include_usage: bool,
+    continuous_usage: bool,
     *,
     every_token: bool,
     first: list[Any] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed batch: ``first`` choices, then a chunk per choice that
-    produced text (or a token, with ``every_token``), the usage chunk, ``[DONE]``. An engine
-    failure becomes an error event; the batch is aborted however the stream ends."""
+    produced text (or a token, with ``every_token``), the usage chunk, ``[DONE]``. With
+    ``continuous_usage`` every chunk also carries its choice's usage so far (as vLLM's
+    ``continuous_usage_stats``). An engine failure becomes an error event; the batch is
+    aborted however the stream ends."""
     created = int(time.time())
 
     def chunk(choices: list[Any], usage: Usage | None = None) -> str:
@@ -517,7 +619,10 @@ async def _sse_stream(
 
     try:
         if first:
-            yield _sse(chunk(first))
+            c0 = batch.choices[0]
+            yield _sse(
+                chunk(first, _running_usage(c0.num_prompt_tokens, 0) if continuous_usage else None)
+            )
         async for c in batch.outputs():
             out = c.output
             assert out is not None
@@ -526,7 +631,10 @@ async def _sse_stream(
                 continue
             ch = choice(c, out, text)
             c.sent_text, c.sent_tokens = len(out.text), len(out.token_ids)
-            yield _sse(chunk([ch]))
+            usage = None
+            if continuous_usage:
+                usage = _running_usage(c.num_prompt_tokens, len(out.token_ids))
+            yield _sse(chunk([ch], usage))
         if include_usage:
             yield _sse(chunk([], batch.usage()))
     except Exception as exc:
