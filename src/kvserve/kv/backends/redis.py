@@ -5,6 +5,11 @@ chunk's header and payload as ONE value, so the server's own eviction drops whol
 reader never sees half of one), batched pipelined reads and writes (non-transactional), the
 client-side watermark, and turning every server fault into misses and failed writes.
 
+Connections, authentication, TLS and commands go through redis-py's pool; the two bulk paths
+move chunk bytes once: a store sends the header and the caller's payload buffer as one value
+(no joined copy), a read receives each value straight into the caller's buffer (redis-py's
+Python parser would copy it three times) and verifies it there.
+
 Options (a ``redis:`` or ``valkey:`` tier spec): ``url`` (``redis://``, ``rediss://`` and
 their ``valkey://`` / ``valkeys://`` spellings, ``unix://``; credentials in the URL or as
 ``username`` / ``password``), TLS (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
@@ -21,6 +26,7 @@ are misses / failed writes; redis-py's pool reconnects on the next call once the
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -35,7 +41,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvserve.kv.backends import register_backend
-from kvserve.kv.backends.chunk_format import ChunkCodec
+from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
 from kvserve.kv.backends.storage import StorageBackend, parse_size
 
 KEY_PREFIX = "kvserve"
@@ -102,6 +108,70 @@ def _byte_view(buf: memoryview) -> memoryview:
     """A flat unsigned-byte view of a (C-contiguous) buffer."""
     mv = memoryview(buf)
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+class _ReplyReader:
+    """Reads RESP replies of GETs straight into their destinations with ``recv_into``.
+
+    redis-py's pure-Python parser copies a bulk reply three times (socket -> BytesIO -> bytes ->
+    slice); here the payload goes from the socket into the caller's host memory once. Used on a
+    connection the pool handed out ready (nothing pending), whose replies are all read here.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(64 * 1024)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    @property
+    def pending(self) -> int:
+        """Bytes read past the last reply consumed."""
+        return self._end - self._start
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            n = self._end - self._start
+            self._view[:n] = self._view[self._start : self._end]
+            self._start, self._end = 0, n
+        got = self._sock.recv_into(self._view[self._end :])
+        if not got:
+            raise RedisConnectionError("connection closed by the server")
+        self._end += got
+
+    def line(self) -> bytes:
+        """One ``\\r\\n``-terminated line, without the terminator."""
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                out = bytes(self._view[self._start : i])
+                self._start = i + 2
+                return out
+            if self._end - self._start >= len(self._buf):
+                raise RedisError("reply line too long")
+            self._fill()
+
+    def read_into(self, dest: memoryview) -> None:
+        """Exactly ``len(dest)`` bytes into ``dest`` (a flat byte view)."""
+        have = min(self._end - self._start, len(dest))
+        dest[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        pos = have
+        while pos < len(dest):
+            got = self._sock.recv_into(dest[pos:])
+            if not got:
+                raise RedisConnectionError("connection closed by the server")
+            pos += got
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            if self._start == self._end:
+                self._fill()
+            step = min(n, self._end - self._start)
+            self._start += step
+            n -= step
 
 
 class _StoredChunk:
@@ -188,6 +258,9 @@ class RedisBackend(StorageBackend):
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "driver_info": None,  # no CLIENT SETINFO round trips on every connect
             "command_packer": _CommandPacker(),  # stateless, shared by the connections
+            # RESP2: no push messages between replies (redis-py 8 defaults to RESP3, where
+            # the pool also stops checking that a connection has nothing pending).
+            "protocol": 2,
         }
         if username is not None:
             kwargs["username"] = username
@@ -259,36 +332,74 @@ class RedisBackend(StorageBackend):
             return ok
         t0 = time.perf_counter()
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(self.server_key(key))
-            values = pipe.execute()
+            bad, failed, nbytes = self._read(keys, outs, ok)
         except _IO_ERRORS:
+            ok = [False] * n
             self.count(misses=n, errors=1, read_s=time.perf_counter() - t0)
             return ok
-        bad: list[bytes] = []
-        nbytes = 0
-        for i, (key, value) in enumerate(zip(keys, values, strict=True)):
-            if value is None:
-                continue
-            payload = self.codec.verify(key, value)
-            if payload is None:
-                bad.append(key)
-                continue
-            _byte_view(outs[i])[:] = payload
-            ok[i] = True
-            nbytes += len(value)
         hits = sum(ok)
         self.count(
             hits=hits,
             misses=n - hits,
             corrupt=len(bad),
+            errors=failed,
             read_bytes=nbytes,
             read_s=time.perf_counter() - t0,
         )
         if bad:
             self.remove(bad)
         return ok
+
+    def _read(
+        self, keys: Sequence[bytes], outs: Sequence[memoryview], ok: list[bool]
+    ) -> tuple[list[bytes], int, int]:
+        """Pipelined GETs read into ``outs``, verified; (bad keys, error replies, bytes)."""
+        codec = self.codec
+        stored = codec.stored_bytes
+        header = bytearray(HEADER_BYTES)
+        header_view = memoryview(header)
+        bad: list[bytes] = []
+        failed = nbytes = 0
+        conn = self._pool.get_connection()
+        try:
+            conn.send_packed_command(
+                conn.pack_commands([(b"GET", self.server_key(k)) for k in keys])
+            )
+            reader = _ReplyReader(conn._sock)
+            for i, key in enumerate(keys):
+                line = reader.line()
+                if line[:1] == b"-":  # an error reply (e.g. a non-string value there)
+                    failed += 1
+                    continue
+                if line == b"_":  # RESP3 null (a protocol=3 URL): absent
+                    continue
+                if line[:1] != b"$":
+                    raise RedisError(f"unexpected reply to GET: {line[:40]!r}")
+                size = int(line[1:])
+                if size < 0:  # absent (never written, evicted, expired)
+                    continue
+                if size != stored:  # truncated, or not one of ours
+                    reader.skip(size + 2)
+                    bad.append(key)
+                    continue
+                out = _byte_view(outs[i])
+                reader.read_into(header_view)
+                reader.read_into(out)
+                reader.skip(2)
+                nbytes += size
+                digest = codec.check_header(key, header)
+                if digest is None or payload_digest(out) != digest:
+                    bad.append(key)
+                else:
+                    ok[i] = True
+            if reader.pending:  # not a reply we asked for: do not hand the socket on
+                conn.disconnect()
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+        return bad, failed, nbytes
 
     def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         n = len(keys)
