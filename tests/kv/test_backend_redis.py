@@ -107,7 +107,7 @@ def test_round_trip_exists_skip_remove(make_redis_backend, redis_server):
     keys, payloads = chunks(5)
     assert b.exists(keys) == 0
     assert b.put(keys[:3], payloads[:3]) == [True] * 3
-    assert b.stats.written == 3 and b.stats.write_bytes == 3 * c.stored_bytes
+    assert b.stats.written == 3 and b.stats.write_bytes == 3 * c.payload_bytes
     # Leading run only: a hole stops it even when later keys are present.
     assert b.exists(keys) == 3
     assert b.exists([keys[0], keys[3], keys[1]]) == 1
@@ -120,7 +120,7 @@ def test_round_trip_exists_skip_remove(make_redis_backend, redis_server):
     got = outs(5)
     assert b.get(keys, got) == [True] * 5
     assert [bytes(g) for g in got] == [bytes(p) for p in payloads]
-    assert b.stats.hits == 5 and b.stats.read_bytes == 5 * c.stored_bytes
+    assert b.stats.hits == 5 and b.stats.read_bytes == 5 * c.payload_bytes
 
     # One value per chunk: header and payload together, under the namespaced key, with the TTL.
     client = redis_server.client()

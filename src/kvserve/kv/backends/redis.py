@@ -290,6 +290,7 @@ class RedisBackend(StorageBackend):
         self.maxmemory = 0
         self.over_watermark = False
         self._closed = threading.Event()
+        self.refresh_usage()  # known from the start; then every usage_interval
         self._monitor = threading.Thread(
             target=self._watch_memory, name=f"kvserve-{self.name}-usage", daemon=True
         )
@@ -353,7 +354,8 @@ class RedisBackend(StorageBackend):
     def _read(
         self, keys: Sequence[bytes], outs: Sequence[memoryview], ok: list[bool]
     ) -> tuple[list[bytes], int, int]:
-        """Pipelined GETs read into ``outs``, verified; (bad keys, error replies, bytes)."""
+        """Pipelined GETs read into ``outs``, verified; (bad keys, error replies, payload
+        bytes served)."""
         codec = self.codec
         stored = codec.stored_bytes
         header = bytearray(HEADER_BYTES)
@@ -386,12 +388,12 @@ class RedisBackend(StorageBackend):
                 reader.read_into(header_view)
                 reader.read_into(out)
                 reader.skip(2)
-                nbytes += size
                 digest = codec.check_header(key, header)
                 if digest is None or payload_digest(out) != digest:
                     bad.append(key)
                 else:
                     ok[i] = True
+                    nbytes += codec.payload_bytes
             if reader.pending:  # not a reply we asked for: do not hand the socket on
                 conn.disconnect()
         except BaseException:
@@ -430,7 +432,7 @@ class RedisBackend(StorageBackend):
                 done[i] = True
         self.count(
             written=written,
-            write_bytes=written * self.codec.stored_bytes,
+            write_bytes=written * self.codec.payload_bytes,
             write_s=time.perf_counter() - t0,
             write_skipped=skipped,
             errors=errors,
@@ -461,9 +463,8 @@ class RedisBackend(StorageBackend):
         self.over_watermark = bool(self.watermark) and self.used_memory > self.watermark
 
     def _watch_memory(self) -> None:
-        while not self._closed.is_set():
+        while not self._closed.wait(self._usage_interval):
             self.refresh_usage()
-            self._closed.wait(self._usage_interval)
 
     def close(self) -> None:
         self._closed.set()
