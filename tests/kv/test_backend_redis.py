@@ -437,3 +437,13 @@ def test_password(redis_server_factory):
     finally:
         for b in (right, as_option, wrong, missing):
             b.close()
+
+
+def test_wrong_buffer_size_is_refused_before_any_io(make_redis_backend):
+    """A buffer of the wrong size would desynchronize the reply stream: refused up front."""
+    b = make_redis_backend(codec())
+    keys, payloads = chunks(2)
+    assert b.put(keys, payloads) == [True, True]
+    with pytest.raises(ValueError, match="buffers of"):
+        b.get(keys, [memoryview(bytearray(CHUNK)), memoryview(bytearray(CHUNK - 1))])
+    assert b.get(keys, outs(2)) == [True, True] and b.stats.errors == 0

@@ -17,7 +17,9 @@ their ``valkey://`` / ``valkeys://`` spellings, ``unix://``; credentials in the 
 (seconds, default 2: a hung server turns into misses after it), ``max_connections``,
 ``watermark`` (a size: above this ``used_memory`` on the server, stores are dropped, counted in
 ``dropped``; capacity is otherwise the server's ``maxmemory`` and its eviction policy), ``ttl``
-(seconds a chunk lives; default: until the server evicts it).
+(seconds a chunk lives; default: until the server evicts it), ``usage_interval`` (seconds
+between background reads of the server's memory, default 1; the first is made when the tier is
+created, which therefore waits at most ``socket_timeout`` for a hung server).
 
 Faults: a refused or reset connection, a timeout, an OOM reply are counted in ``errors`` and
 are misses / failed writes; redis-py's pool reconnects on the next call once the server is back.
@@ -331,9 +333,12 @@ class RedisBackend(StorageBackend):
         ok = [False] * n
         if not n:
             return ok
+        views = [_byte_view(out) for out in outs]
+        if len(views) != n or any(v.nbytes != self.codec.payload_bytes for v in views):
+            raise ValueError(f"get() needs {n} buffers of {self.codec.payload_bytes} bytes")
         t0 = time.perf_counter()
         try:
-            bad, failed, nbytes = self._read(keys, outs, ok)
+            bad, failed, nbytes = self._read(keys, views, ok)
         except _IO_ERRORS:
             ok = [False] * n
             self.count(misses=n, errors=1, read_s=time.perf_counter() - t0)
@@ -375,7 +380,7 @@ class RedisBackend(StorageBackend):
                     continue
                 if line == b"_":  # RESP3 null (a protocol=3 URL): absent
                     continue
-                if line[:1] != b"$":
+                if line[:1] != b"$" or not line[1:].lstrip(b"-").isdigit():
                     raise RedisError(f"unexpected reply to GET: {line[:40]!r}")
                 size = int(line[1:])
                 if size < 0:  # absent (never written, evicted, expired)
@@ -384,7 +389,7 @@ class RedisBackend(StorageBackend):
                     reader.skip(size + 2)
                     bad.append(key)
                     continue
-                out = _byte_view(outs[i])
+                out = outs[i]
                 reader.read_into(header_view)
                 reader.read_into(out)
                 reader.skip(2)
