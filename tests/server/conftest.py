@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import queue
+import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -115,14 +123,97 @@ def served(tiny_model_dir: Path) -> Iterator[RunningServer]:
 
 @pytest.fixture
 def server_factory(tiny_model_dir: Path):
-    """``server_factory(**engine_config_overrides)`` -> a fresh :class:`RunningServer`."""
+    """``server_factory(server_config=None, model_dir=None, **engine_config_overrides)`` -> a
+    fresh :class:`RunningServer`."""
     started: list[RunningServer] = []
 
-    def make(**overrides) -> RunningServer:
-        running = start_server(LLMEngine(engine_config(tiny_model_dir, **overrides)))
+    def make(
+        server_config: ServerConfig | None = None, model_dir: Path | None = None, **overrides
+    ) -> RunningServer:
+        engine = LLMEngine(engine_config(model_dir or tiny_model_dir, **overrides))
+        running = start_server(engine, server_config)
         started.append(running)
         return running
 
     yield make
     for running in started:
         running.stop()
+
+
+@dataclass
+class ServeProcess:
+    """A real `kvserve serve` process (its stderr kept in ``log``)."""
+
+    proc: subprocess.Popen
+    url: str
+    log: list[str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_serve_process(
+    model_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120.0
+) -> ServeProcess:
+    """``kvserve serve --model model_dir --port 0 *args``; returns once it listens."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            *args,
+        ],  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    log: list[str] = []
+
+    def drain() -> None:  # keeps the pipe from filling up
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line)
+            lines.put(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError("kvserve serve did not start: " + "".join(log)) from None
+        if m := re.search(r"serving '[^']+' on (http://\S+)", line):
+            return ServeProcess(proc, m.group(1), log)
+
+
+@pytest.fixture(scope="session")
+def long_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with 65,536 positions (same weights): prompts of millions of characters
+    pass the character bound and must really be tokenized."""
+    out = tmp_path_factory.mktemp("tiny_long") / "tiny-long"
+    shutil.copytree(tiny_model_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = 65536
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out

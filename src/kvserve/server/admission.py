@@ -20,11 +20,26 @@ from kvserve.server.errors import APIError, bad_request
 RETRY_AFTER_S = 1
 
 
+class Ticket:
+    """Room held for one request's sequences until each is handed to the engine."""
+
+    def __init__(self, control: AdmissionControl, num_seqs: int) -> None:
+        self.control = control
+        self.held = num_seqs
+
+    def hand_over(self, num_seqs: int = 1) -> None:
+        """``num_seqs`` sequences are about to be added to the engine (which counts them from
+        then on): stop holding room for them."""
+        n = min(num_seqs, self.held)
+        self.held -= n
+        self.control.admitting -= n
+
+
 class AdmissionControl:
     def __init__(self, engine: AsyncEngine, max_running: int, max_waiting: int) -> None:
         self.engine = engine
         self.capacity = max_running + max(0, max_waiting)
-        self.admitting = 0  # sequences of requests between admission and the engine
+        self.admitting = 0  # sequences of requests admitted, not yet added to the engine
         self.num_rejected = 0
 
     @property
@@ -32,8 +47,9 @@ class AdmissionControl:
         return self.engine.num_inflight + self.admitting
 
     @contextmanager
-    def admit(self, num_seqs: int) -> Iterator[None]:
-        """Hold room for ``num_seqs`` sequences until the engine has them (or the block ends)."""
+    def admit(self, num_seqs: int) -> Iterator[Ticket]:
+        """Hold room for ``num_seqs`` sequences until they are handed over or the block ends;
+        429 when there is none."""
         if num_seqs > self.capacity:
             raise bad_request(
                 f"The request asks for {num_seqs} sequences; this server holds at most "
@@ -52,7 +68,8 @@ class AdmissionControl:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.admitting += num_seqs
+        ticket = Ticket(self, num_seqs)
         try:
-            yield
+            yield ticket
         finally:
-            self.admitting -= num_seqs
+            ticket.hand_over(ticket.held)

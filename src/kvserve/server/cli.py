@@ -72,6 +72,17 @@ def run(args: argparse.Namespace) -> int:
     if not engine_config.model:
         print("kvserve serve: --model DIR is required", file=sys.stderr)
         return 2
+    if engine_config.kv_events_curve_secret_key or engine_config.kv_events_curve_allowed_clients:
+        from kvserve.kv.event_curve import CurveKeyError, check_server_keys
+
+        try:
+            check_server_keys(
+                engine_config.kv_events_curve_secret_key,
+                engine_config.kv_events_curve_allowed_clients,
+            )
+        except CurveKeyError as e:
+            print(f"kvserve serve: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=server_config.log_level.upper())
     stop_signals: list[int] = []
 
@@ -97,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             engine_config.kv_events_replay_endpoint,
             topic,
             engine_config.kv_events_buffer,
+            curve_secret_key=engine_config.kv_events_curve_secret_key,
+            curve_allowed_clients=engine_config.kv_events_curve_allowed_clients,
         )
         async_engine.step_listeners.append(kv_event_listener(engine, publisher))
 

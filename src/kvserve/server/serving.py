@@ -26,7 +26,7 @@ from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStr
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server import tokenizer_worker as jobs
-from kvserve.server.admission import AdmissionControl
+from kvserve.server.admission import AdmissionControl, Ticket
 from kvserve.server.errors import UNKNOWN_MODEL_STATUS, APIError, bad_request
 from kvserve.server.limits import context_length_exceeded
 from kvserve.server.metrics import RequestTracker, ServerMetrics
@@ -226,8 +226,8 @@ class OpenAIServing:
         if status == jobs.TOO_LONG_CHARS:
             raise context_length_exceeded(
                 self.max_model_len,
-                f"your prompt has {value} characters, more than any prompt of that many tokens "
-                f"can have ({self.max_prompt_chars})",
+                f"your prompt has {value} characters, more than a prompt of "
+                f"{self.max_model_len} tokens can have ({self.max_prompt_chars})",
                 param,
             )
         raise bad_request(f"chat template failed: {value}", param)
@@ -282,6 +282,7 @@ class OpenAIServing:
         req: SamplingFields,
         prompts: list[list[int]],
         params: list[SamplingParams],
+        ticket: Ticket,
     ) -> _Batch:
         """One engine request per (prompt, choice); all accepted or none left running."""
         batch = _Batch(f"{prefix}-{uuid.uuid4().hex}", model)
@@ -296,7 +297,7 @@ class OpenAIServing:
                 batch.choices.append(c)
         try:
             results = await asyncio.gather(
-                *(self._add(batch, c, req, prompts, params) for c in batch.choices),
+                *(self._add(batch, c, req, prompts, params, ticket) for c in batch.choices),
                 return_exceptions=True,
             )
         except BaseException:  # cancelled: each pending add aborts itself
@@ -315,6 +316,7 @@ class OpenAIServing:
         req: SamplingFields,
         prompts: list[list[int]],
         params: list[SamplingParams],
+        ticket: Ticket,
     ) -> RequestStream:
         base = params[c.prompt_index]
         j = c.index - c.prompt_index * req.n
@@ -323,6 +325,8 @@ class OpenAIServing:
             seed = None if base.seed is None else (base.seed + j + (1 << 63)) % _INT64 - (1 << 63)
             p = dataclasses.replace(base, seed=seed)
         rid = f"{batch.request_id}-{c.prompt_index}-{j}"
+        # add_request counts the request in flight before it first yields: no gap in the count.
+        ticket.hand_over(1)
         try:
             stream = await self.engine.add_request(
                 rid, prompts[c.prompt_index], p, cache_salt=req.cache_salt
@@ -372,7 +376,7 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
         items = self._prompt_items(req)
-        with self.admission.admit(len(items) * req.n):
+        with self.admission.admit(len(items) * req.n) as ticket:
             prompts = await self._completion_prompts(items)
             params = [
                 self._params(
@@ -383,7 +387,7 @@ class OpenAIServing:
                 )
                 for ids in prompts
             ]
-            batch = await self._start("cmpl", model, req, prompts, params)
+            batch = await self._start("cmpl", model, req, prompts, params, ticket)
         if req.stream:
             include_usage, continuous = _usage_options(req)
             return _streaming(
@@ -475,7 +479,7 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         messages = self._check_chat(req)
-        with self.admission.admit(req.n):
+        with self.admission.admit(req.n) as ticket:
             work = self.tokenizers.encode_chat(
                 messages,
                 req.add_generation_prompt,
@@ -492,7 +496,7 @@ class OpenAIServing:
                 max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens")
             k = (req.top_logprobs or 0) if req.logprobs else None
             params = [self._params(req, max_tokens, k, req.seed)]
-            batch = await self._start("chatcmpl", model, req, [ids], params)
+            batch = await self._start("chatcmpl", model, req, [ids], params, ticket)
         if req.stream:
             include_usage, continuous = _usage_options(req)
             return _streaming(self._chat_stream(batch, k, include_usage, continuous))
