@@ -2,13 +2,22 @@
 
 It serves /health, /v1/models, /metrics (vLLM metric names), /v1/completions and
 /v1/chat/completions (JSON or SSE stream), records what it received, and can be told to be
-unhealthy, to fail with a status, to hold a stream between chunks, or to stream slowly.
+unhealthy, to fail with a status, to hold a stream between chunks, to stream slowly, to take
+``delay`` seconds per completion, to require an API key on /v1/* (as an engine does), or to
+listen with a small accept backlog.
+
+Run as a process (``python -m tests.cluster.fake_openai_backend --count 2 ...``) it prints
+one JSON line with its ports and serves until killed; ``--stall S --stall-every T`` blocks
+its event loop S seconds every T seconds, as an engine busy with a step would, so that a
+burst of connects piles up in its accept backlog.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -31,6 +40,9 @@ class FakeBackend:
         self.gate: asyncio.Event | None = None  # stream: hold after the first chunk
         self.disconnects = 0  # streams the client went away from
         self.completed = 0
+        self.delay = 0.0  # seconds per completion
+        self.api_key: str | None = None  # required on /v1/* when set
+        self.backlog = 128
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -39,7 +51,7 @@ class FakeBackend:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> FakeBackend:
-        app = web.Application()
+        app = web.Application(client_max_size=256 << 20, middlewares=[self._auth])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -47,7 +59,13 @@ class FakeBackend:
         app.router.add_post("/v1/chat/completions", self._complete)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port or self.port or 0, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            "127.0.0.1",
+            port or self.port or 0,
+            reuse_address=True,
+            backlog=self.backlog,
+        )
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         return self
@@ -56,6 +74,17 @@ class FakeBackend:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        wanted = f"Bearer {self.api_key}"
+        if (
+            self.api_key
+            and request.path.startswith("/v1/")
+            and (request.headers.get("Authorization") != wanted)
+        ):
+            return web.json_response({"error": {"message": "no"}}, status=401)
+        return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503, text="")
@@ -79,7 +108,12 @@ class FakeBackend:
         self.requests.append(body)
         self.headers.append(dict(request.headers))
         if self.fail_status:
-            return web.json_response({"error": {"message": "boom"}}, status=self.fail_status)
+            retry = {"Retry-After": "2"} if self.fail_status in (429, 503) else None
+            return web.json_response(
+                {"error": {"message": "boom"}}, status=self.fail_status, headers=retry
+            )
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if not body.get("stream"):
             self.completed += 1
             return web.json_response(
@@ -109,3 +143,42 @@ class FakeBackend:
             raise
         self.completed += 1
         return resp
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    backends = []
+    for i in range(args.count):
+        b = FakeBackend(f"b{i}", model=args.model)
+        b.delay, b.api_key, b.backlog = args.delay, args.api_key, args.backlog
+        backends.append(await b.start())
+    print(json.dumps({"ports": [b.port for b in backends]}), flush=True)
+    while True:
+        await asyncio.sleep(args.stall_every or 3600)
+        if args.stall:
+            time.sleep(args.stall)  # the loop is busy: nothing is accepted meanwhile
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="fake OpenAI backends for router tests")
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--model", default="m")
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--api-key")
+    p.add_argument("--backlog", type=int, default=128)
+    p.add_argument("--stall", type=float, default=0.0)
+    p.add_argument("--stall-every", type=float, default=0.0)
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

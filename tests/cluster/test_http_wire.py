@@ -5,6 +5,8 @@ connections, timeouts, streamed and close-delimited bodies)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +19,7 @@ from kvserve.cluster.upstream import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamPool,
+    UpstreamSaturated,
     UpstreamTimeout,
 )
 
@@ -290,5 +293,122 @@ def test_upstream_timeouts_errors_and_bodies() -> None:
         finally:
             await pool.close()
             await backend.stop()
+
+    arun(main)
+
+
+def test_upstream_pool_caps_connections_and_queues_the_rest() -> None:
+    """At most ``max_connections`` per endpoint; then a FIFO queue of ``max_queue``; beyond
+    it, or after ``queue_timeout_s``, UpstreamSaturated. A cancelled waiter leaves the queue;
+    released connections go to the waiters (no new connects)."""
+
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        async def gated(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+            while True:
+                await read_request(reader)
+                await gate.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+
+        backend = RawBackend(gated)
+        origin = await backend.start()
+        pool = UpstreamPool(max_connections=2, max_queue=2, queue_timeout_s=10)
+
+        async def one() -> bytes:
+            resp = await pool.request(origin, "GET", "/", [], b"", first_byte_timeout_s=10)
+            body = await resp.read(10)
+            resp.release()
+            return body
+
+        try:
+            tasks = [asyncio.create_task(one()) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            assert pool.busy(origin) == 2 and pool.queued(origin) == 2
+            with pytest.raises(UpstreamSaturated):  # the queue is full: at once
+                await pool.request(origin, "GET", "/", [], b"", first_byte_timeout_s=1)
+            tasks[3].cancel()  # a client gone while waiting leaves the queue
+            await asyncio.sleep(0)
+            assert pool.queued(origin) == 1
+            gate.set()
+            assert await asyncio.gather(*tasks[:3]) == [b"ok"] * 3
+            assert backend.connections == 2  # the waiter got a released connection
+            assert pool.busy(origin) == 0 and pool.queued(origin) == 0
+            # Waiting longer than queue_timeout_s: saturated too.
+            gate.clear()
+            pool.queue_timeout_s = 0.2
+            held = [asyncio.create_task(one()) for _ in range(2)]
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            with pytest.raises(UpstreamSaturated):
+                await pool.request(origin, "GET", "/", [], b"", first_byte_timeout_s=1)
+            assert 0.1 < time.monotonic() - t0 < 2
+            gate.set()
+            await asyncio.gather(*held)
+            assert pool.busy(origin) == 0
+        finally:
+            await pool.close()
+            await backend.stop()
+
+    arun(main)
+
+
+def test_upstream_connect_errors_say_whether_the_endpoint_refused() -> None:
+    async def main() -> None:
+        pool = UpstreamPool(connect_timeout_s=1)
+        with pytest.raises(UpstreamConnectError) as info:
+            await pool.request(
+                Origin.from_url("http://127.0.0.1:1"), "GET", "/", [], b"", first_byte_timeout_s=1
+            )
+        assert info.value.refused and pool.busy(Origin.from_url("http://127.0.0.1:1")) == 0
+        # A connect that times out (a full accept backlog looks like this) did not refuse.
+        import socket
+
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # never accepts: connects beyond the backlog hang
+        port = listener.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(8):
+                s = socket.socket()
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    s.connect(("127.0.0.1", port))
+                fillers.append(s)
+            pool.connect_timeout_s = 0.3
+            origin = Origin.from_url(f"http://127.0.0.1:{port}")
+            with pytest.raises(UpstreamConnectError) as info:
+                await pool.request(origin, "GET", "/", [], b"", first_byte_timeout_s=1)
+            assert not info.value.refused and pool.busy(origin) == 0
+        finally:
+            for s in fillers:
+                s.close()
+            listener.close()
+            await pool.close()
+
+    arun(main)
+
+
+def test_server_closes_idle_keep_alive_connections_but_not_slow_handlers() -> None:
+    async def main() -> None:
+        async def slow(req: HttpRequest, resp: HttpResponse) -> None:
+            await asyncio.sleep(0.8)  # longer than every client timeout: still answered
+            resp.send(200, [], b"done")
+
+        server = HttpServer(slow, error_reply, header_timeout_s=0.3, keep_alive_timeout_s=0.3)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nhost: h\r\n\r\n")
+            out = await asyncio.wait_for(reader.readuntil(b"done"), 5)
+            assert out.startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # idle: closed, silently
+            assert time.monotonic() - t0 < 2
+            writer.close()
+        finally:
+            await server.close()
 
     arun(main)
