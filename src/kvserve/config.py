@@ -65,6 +65,9 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
     kv_events_topic: str | None = None  # default kv@<host>:<port>@<model>
     kv_events_buffer: int = 10000  # batches kept for replay
+    # CURVE on the event and replay sockets (ZeroMQ key files; events carry prompt tokens)
+    kv_events_curve_secret_key: str | None = None  # this engine's .key_secret file
+    kv_events_curve_allowed_clients: str | None = None  # dir of admitted subscribers' .key
     enable_kv_cache_events: bool = False  # record events (implied by kv_events_endpoint)
 
     def __post_init__(self) -> None:

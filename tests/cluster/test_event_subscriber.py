@@ -101,13 +101,16 @@ def wait(pred, timeout: float = 10.0) -> bool:
 
 
 def connect(sub: EventSubscriber, pub: ZmqEventPublisher, eng: Engine, name: str = "e") -> None:
-    """Subscribe, then publish until the subscriber has seen (and replayed) the stream."""
+    """Subscribe, then publish until the subscriber has seen (and replayed) the stream and
+    receives live batches."""
     sub.add_endpoint(name, pub.endpoint, pub.replay_endpoint)
     for _ in range(500):
         publish(pub, eng.stored_batch(1))
         assert pub.flush()
         if sub.wait_for_seq(name, pub.next_seq - 1, timeout=0.02):
-            return
+            st = sub.stats(name)
+            if st.batches > st.replayed_batches:
+                return
     raise AssertionError("subscriber never caught up")
 
 
@@ -266,3 +269,60 @@ def test_restarted_publisher_past_our_seq_is_detected_by_replay(
         keys = subscriber.index.endpoint_keys("e")
         assert not keys & old
         assert keys == eng2.oracle()
+
+
+def test_idle_publisher_is_replayed_on_subscribe(subscriber: EventSubscriber) -> None:
+    """A router (re)started in front of an idle engine: its index fills from the replay made
+    on connecting, with no live batch to trigger it."""
+    eng = Engine(20)
+    with ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        for _ in range(6):
+            publish(pub, eng.stored_batch())
+        assert pub.flush()
+        subscriber.add_endpoint("e", pub.endpoint, pub.replay_endpoint)
+        assert subscriber.wait_for_seq("e", pub.next_seq - 1, timeout=15)
+        assert subscriber.index.endpoint_keys("e") == eng.oracle()
+        st = subscriber.stats("e")
+        assert st.connects == 1 and st.replays == 1 and st.batches == 6
+
+
+@pytest.mark.parametrize("published", [0, 2, 12])
+def test_idle_restarted_publisher_clears_its_endpoint(
+    subscriber: EventSubscriber, published: int
+) -> None:
+    """An engine restarts and stays idle: the reconnection's replay disagrees with what we
+    applied (nothing there, or a different batch), so its old blocks go at once; what the new
+    one published before we reconnected (``published`` batches) is replayed."""
+    eng = Engine(21)
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    address, replay = pub.endpoint, pub.replay_endpoint
+    for _ in range(8):
+        publish(pub, eng.stored_batch())
+    assert pub.flush()
+    subscriber.add_endpoint("e", address, replay)
+    assert subscriber.wait_for_seq("e", 7, timeout=15)
+    old = subscriber.index.endpoint_keys("e")
+    assert old == eng.oracle()
+    pub.close()
+    eng2 = Engine(22)
+    with rebind(address, replay) as pub2:
+        for _ in range(published):
+            publish(pub2, eng2.stored_batch())
+        assert pub2.flush()
+        assert wait(lambda: subscriber.stats("e").restarts == 1, timeout=15)
+        assert wait(lambda: subscriber.index.endpoint_keys("e") == eng2.oracle(), timeout=15)
+        assert subscriber.stats("e").last_seq == published - 1
+        assert subscriber.stats("e").connects == 2
+
+
+def test_reconnect_to_the_same_publisher_keeps_the_index(subscriber: EventSubscriber) -> None:
+    """A dropped connection to a publisher that did not restart: verified, nothing cleared,
+    batches published meanwhile replayed."""
+    eng = Engine(23)
+    with ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*") as pub:
+        connect(subscriber, pub, eng)
+        subscriber.remove_endpoint("e")
+        assert wait(lambda: subscriber.stats("e") is None)
+        subscriber.add_endpoint("e", pub.endpoint, pub.replay_endpoint)  # a fresh stream
+        assert subscriber.wait_for_seq("e", pub.next_seq - 1, timeout=15)
+        assert subscriber.index.endpoint_keys("e") == eng.oracle()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -39,13 +40,15 @@ _ENDPOINT_KEYS = {
     "name": "name",
     "topic": "kv_events_topic",
     "api_key": "api_key",
+    "curve_server_key": "kv_events_curve_server_key",
 }
 API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' key, first set wins
 UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
 
 
 def parse_endpoint_flag(text: str) -> EndpointSpec:
-    """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T][,api_key=K]``."""
+    """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T][,api_key=K]``
+    ``[,curve_server_key=FILE]``."""
     url, *opts = [p.strip() for p in text.split(",")]
     kwargs: dict[str, str] = {}
     for opt in opts:
@@ -115,6 +118,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests waiting for a connection (default 1024); beyond: 503 + Retry-After",
     )
     parser.add_argument("--max-body-bytes", type=int, help="request body limit (default 64 MiB)")
+    parser.add_argument(
+        "--kv-events-curve-client-key",
+        metavar="FILE",
+        help="the router's CURVE secret key file (ZeroMQ format) for engines whose KV event "
+        "sockets use CURVE",
+    )
+    parser.add_argument(
+        "--kv-events-curve-server-key",
+        metavar="FILE",
+        help="the engines' CURVE public key file (an endpoint's curve_server_key=FILE wins)",
+    )
     parser.add_argument("--log-level", help="debug | info | warning | error")
     parser.add_argument(
         "--event-loop", help="auto (uvloop when installed) | uvloop | asyncio (default auto)"
@@ -142,6 +156,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         value = getattr(args, attr, None)
         if value is not None:
             setattr(cfg, attr, value)
+    for flag in ("curve_client_key", "curve_server_key"):
+        value = getattr(args, "kv_events_" + flag, None)
+        if value:  # replace(): the index config checks the key file
+            cfg.index = dataclasses.replace(cfg.index, **{flag: value})
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
     if args.api_key:
         cfg.api_keys = list(args.api_key)

@@ -59,6 +59,18 @@ class ConfigError(ValueError):
     """A router configuration that cannot be used (the message names the key)."""
 
 
+def _check_curve_key(path: str, *, secret: bool) -> None:
+    from kvserve.kv.event_curve import CurveKeyError, load_key_pair, load_public_key
+
+    try:
+        if secret:
+            load_key_pair(path)
+        else:
+            load_public_key(path)
+    except CurveKeyError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass
 class EndpointSpec:
     """One engine server behind the router."""
@@ -70,6 +82,9 @@ class EndpointSpec:
     kv_events_replay: str | None = None  # its replay ROUTER address, e.g. tcp://10.0.0.1:5558
     kv_events_topic: str = ""  # topic prefix to subscribe to ("" = all)
     api_key: str | None = field(default=None, repr=False)  # bearer key the endpoint expects
+    # The engine's CURVE public key file when its event sockets use CURVE (default:
+    # index.curve_server_key)
+    kv_events_curve_server_key: str | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -84,6 +99,8 @@ class EndpointSpec:
             )
         if self.kv_events_replay and not self.kv_events:
             raise ConfigError(f"endpoint {self.url}: kv_events_replay without kv_events")
+        if self.kv_events_curve_server_key:
+            _check_curve_key(self.kv_events_curve_server_key, secret=False)
 
     @property
     def key(self) -> str:
@@ -134,6 +151,15 @@ class IndexConfig:
     max_blocks_per_endpoint: int = 2_000_000  # LRU bound of the KV index per endpoint
     tier_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     replay_timeout_s: float = 2.0  # give up on a replay request after this long
+    # CURVE on the engines' event sockets (ZeroMQ key files, see kvserve/kv/event_curve.py):
+    curve_client_key: str | None = None  # the router's .key_secret file
+    curve_server_key: str | None = None  # engines' public key file, unless an endpoint has one
+
+    def __post_init__(self) -> None:
+        if self.curve_client_key:
+            _check_curve_key(self.curve_client_key, secret=True)
+        if self.curve_server_key:
+            _check_curve_key(self.curve_server_key, secret=False)
 
 
 @dataclass

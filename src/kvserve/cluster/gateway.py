@@ -152,7 +152,11 @@ class Router:
             max_blocks_per_endpoint=config.index.max_blocks_per_endpoint,
             tier_weights=config.index.tier_weights,
         )
-        self.subscriber = EventSubscriber(self.index, replay_timeout=config.index.replay_timeout_s)
+        self.subscriber = EventSubscriber(
+            self.index,
+            replay_timeout=config.index.replay_timeout_s,
+            curve_client_key=config.index.curve_client_key,
+        )
         self.history = RoutingHistory(config.history_ttl_s, config.history_max_blocks)
         self.sessions = SessionTable(config.session_ttl_s)
         self.history_block_size = config.block_size
@@ -211,7 +215,12 @@ class Router:
     def _endpoint_added(self, ep: Endpoint) -> None:
         if ep.spec.kv_events:
             self.subscriber.add_endpoint(
-                ep.name, ep.spec.kv_events, ep.spec.kv_events_replay, ep.spec.kv_events_topic
+                ep.name,
+                ep.spec.kv_events,
+                ep.spec.kv_events_replay,
+                ep.spec.kv_events_topic,
+                curve_server_key=ep.spec.kv_events_curve_server_key
+                or self.config.index.curve_server_key,
             )
 
     def _endpoint_removed(self, ep: Endpoint) -> None:

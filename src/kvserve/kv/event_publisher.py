@@ -4,6 +4,11 @@ Owns the sockets, the sequence numbers and the bounded replay buffer. The engine
 :meth:`ZmqEventPublisher.publish` after each step; encoding and sending happen on the
 publisher's own thread, so publishing never blocks a step (the hand-off is a queue put).
 It does not know what the events mean: producers (block pool, tiers) create them.
+
+Events carry prompt token ids: bind these sockets on a private network only, and/or give a
+CURVE secret key (``curve_secret_key``; :mod:`kvserve.kv.event_curve`) to encrypt both
+sockets, with ``curve_allowed_clients`` (a directory of public key files) to admit only those
+subscribers.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from kvserve.kv.event_curve import CurveKeyPair, check_server_keys, load_key_pair, make_server
 from kvserve.kv.events import AnyKVEvent, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -58,9 +64,26 @@ class ZmqEventPublisher:
         *,
         max_queue: int = 100_000,
         send_hwm: int = 100_000,
+        curve_secret_key: str | None = None,
+        curve_allowed_clients: str | None = None,
     ) -> None:
         if buffer_size < 1:
             raise ValueError("buffer_size must be >= 1")
+        check_server_keys(curve_secret_key, curve_allowed_clients)
+        self._curve: CurveKeyPair | None = None
+        self._auth = None
+        if curve_secret_key:
+            self._curve = load_key_pair(curve_secret_key)
+            # A context of our own: its ZAP handler (the allow-list) is per context.
+            self._ctx = zmq.Context()
+            if curve_allowed_clients:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._auth = ThreadAuthenticator(self._ctx, log=logger)
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=curve_allowed_clients)
+        else:
+            self._ctx = zmq.Context.instance()
         self.topic = topic.encode("utf-8")
         self.buffer_size = buffer_size
         self._requested = (endpoint, replay_endpoint)
@@ -69,7 +92,6 @@ class ZmqEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self._next_seq = 0
         self._dropped = 0
-        self._ctx = zmq.Context.instance()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._closed = False
@@ -84,6 +106,7 @@ class ZmqEventPublisher:
         self._ready.wait()
         if self._error is not None:
             self._thread.join()
+            self._close_context()
             raise self._error
 
     # ------------------------------------------------------------------ engine-facing API
@@ -130,6 +153,14 @@ class ZmqEventPublisher:
         if not self._thread.is_alive():
             os.close(self._wake_r)
             os.close(self._wake_w)
+            self._close_context()
+
+    def _close_context(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._curve is not None:
+            self._ctx.term()  # our own context (sockets are closed by now)
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # a full pipe already means "wake up"
@@ -150,11 +181,15 @@ class ZmqEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self._send_hwm)
             pub.setsockopt(zmq.LINGER, 500)
+            if self._curve is not None:
+                make_server(pub, self._curve)
             pub.bind(endpoint)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
+                if self._curve is not None:
+                    make_server(replay, self._curve)
                 replay.bind(replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as e:  # surfaced to the constructor
