@@ -9,6 +9,9 @@ import pytest
 
 from kvserve.cluster.prompt_keys import PromptKeyCache, prompt_block_keys
 from kvserve.cluster.tokenization import BadRequestError, TokenizerRegistry, routing_request
+from kvserve.engine.hashing import hash_to_int, salt_digest
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams
 
 
 def test_prompt_key_cache_matches_hashing_with_shared_prefixes() -> None:
@@ -29,6 +32,20 @@ def test_prompt_key_cache_matches_hashing_with_shared_prefixes() -> None:
             assert salted[0] != want[0]
     assert cache.hits > 600 and cache.misses > 0
     assert len(cache) <= 64  # bounded
+
+
+def test_salted_router_keys_are_the_engines_block_hashes() -> None:
+    """The router digests a request's salt as the engine does: its keys for a salted prompt
+    are the engine's own block hashes (same seed), and the salt's digest differs per salt."""
+    prompt = list(range(100, 165))
+    for salt in ("tenant-a", "tenant-b", "a\ud800b"):
+        req = Request("r", prompt, SamplingParams(), block_size=16, cache_salt=salt)
+        keys = prompt_block_keys(prompt + [0], 16, cache_salt=salt)
+        assert keys == [hash_to_int(h) for h in req.block_hashes]
+    assert salt_digest("tenant-a") != salt_digest("tenant-b")
+    assert prompt_block_keys(prompt, 16, cache_salt="tenant-a") != prompt_block_keys(
+        prompt, 16, cache_salt="tenant-b"
+    )
 
 
 def test_token_id_prompts_are_checked_once_in_c() -> None:

@@ -4,6 +4,8 @@ Owns the one rule the router applies before matching a prompt against the index:
 with :mod:`kvserve.engine.hashing` (the router's seed, the endpoint's block size) only the
 blocks an engine could serve from cache, i.e. the full blocks of ``prompt[:-1]``: the last
 prompt token is always computed, so a prompt of exactly k blocks can hit at most k - 1.
+A request's ``cache_salt`` enters as it does on the engine: as ``salt_digest(salt)`` on
+block 0 (:mod:`kvserve.engine.hashing`; the form KV events carry), so salted prefixes match.
 
 Also owns :class:`PromptKeyCache`, the router's memo of recently hashed prompt chunks:
 prompts that reach a router mostly share long prefixes (system prompts, earlier turns of a
