@@ -1,5 +1,6 @@
 """The router in front of real `kvserve serve` processes (tiny model): a repeated session lands
-on the engine holding its prefix, and a killed engine costs no request."""
+on the engine holding its prefix, and a killed engine costs no request. The cluster has API
+keys: clients' key at the router, the engines' own key only the router holds."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.slow
+KEY = "sk-e2e-client"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
         num_engines=2,
         engine_args=["--num-kv-blocks", "256", "--num-threads", "1"],
         log_dir=str(tmp_path_factory.mktemp("cluster-logs")),
+        api_key=KEY,
     )
     with LocalCluster(spec) as c:
         yield c
@@ -32,11 +36,26 @@ def _complete(client: httpx.Client, url: str, prompt: list[int]) -> tuple[str, i
     r = client.post(
         url + "/v1/completions",
         json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
+        headers=AUTH,
     )
     assert r.status_code == 200, r.text
     body = r.json()
     details = body["usage"].get("prompt_tokens_details") or {}
     return r.headers["x-kvserve-endpoint"], details.get("cached_tokens", 0)
+
+
+def test_keys_guard_the_router_and_the_engines_have_their_own(cluster):
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    with httpx.Client(timeout=60, trust_env=False) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = client.post(cluster.router_url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        engine = cluster.engine_urls[0]
+        r = client.post(engine + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 401  # the clients' key does not open an engine
+        engine_auth = {"Authorization": f"Bearer {cluster.engine_api_key}"}
+        assert client.post(engine + "/v1/completions", json=body, headers=engine_auth).is_success
+        assert client.get(cluster.router_url + "/health").status_code == 200  # open
 
 
 def test_sessions_follow_their_prefix_then_survive_a_dead_engine(cluster):
@@ -66,7 +85,7 @@ def test_streams_through_the_router_match_the_buffered_answer(cluster):
     and equal the non-streamed greedy answer (the engine's chunked responses are relayed)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0)
+    client = OpenAI(base_url=cluster.router_url + "/v1", api_key=KEY, max_retries=0)
     prompt = [11, 12, 13, 14, 15] * 8
     args = {"model": "tiny", "max_tokens": 12, "temperature": 0}
     whole = client.completions.create(prompt=prompt, **args).choices[0].text

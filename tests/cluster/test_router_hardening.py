@@ -250,7 +250,7 @@ def test_metrics_can_be_guarded_and_keys_come_from_flags_or_environment(monkeypa
     assert cfg.endpoints[0].api_key == "ep-key" and "ep-key" not in repr(cfg)
     monkeypatch.setenv("KVSERVE_API_KEY", "kv-env")
     cfg = config_from_args(parser.parse_args(["--endpoint", "http://h:1"]))
-    assert cfg.api_keys == ["kv-env"]
+    assert cfg.api_keys == ["kv-env", "from-env"]  # both, as `kvserve serve` takes them
     argv = ["--endpoint", "http://h:1", "--api-key", "a", "--api-key", "b"]
     cfg = config_from_args(parser.parse_args(argv + ["--upstream-api-key", "u"]))
     assert cfg.api_keys == ["a", "b"] and cfg.upstream_api_key == "u"

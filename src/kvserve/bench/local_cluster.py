@@ -1,12 +1,19 @@
 """A local kvserve cluster in subprocesses: N engine servers (``kvserve serve``) with KV events,
 and a router (``kvserve route``) in front. Used by the demo, ``kvserve up`` and the routing
 benchmarks. Every process is stopped on exit, on error and on Ctrl-C.
+
+API keys: with ``api_key`` the router requires it from clients, and the engines require a
+key of their own (random, :attr:`LocalCluster.engine_api_key`) that the router sends them;
+keys travel in the processes' environment, not their command lines. Without it, API key
+variables in this process's environment are kept from the children, so a cluster (the demo)
+is open whatever the shell exports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,6 +40,11 @@ class ClusterSpec:
     router_args: list[str] = field(default_factory=list)  # e.g. ["--picker", "round_robin"]
     served_model_name: str = "tiny"
     log_dir: str | None = None  # engine/router logs (default: a temporary directory)
+    api_key: str | None = None  # the router's clients must send it (None: no authentication)
+
+
+# Variables the engines and the router read their API keys from (never inherited).
+_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY", "KVSERVE_UPSTREAM_API_KEY")
 
 
 @dataclass
@@ -49,6 +61,8 @@ class LocalCluster:
         self.spec = spec
         self.engines: list[_Proc] = []
         self.router: _Proc | None = None
+        # The engines' own key (only the router needs it), when the cluster has keys at all.
+        self.engine_api_key: str | None = secrets.token_urlsafe(24) if spec.api_key else None
         self._logs: list = []
         log_dir = spec.log_dir or os.path.join(
             os.environ.get("TMPDIR", "/tmp"), f"kvserve-cluster-{os.getpid()}"
@@ -81,15 +95,19 @@ class LocalCluster:
         )
         return http_run(workload, cfg, tokenize=tokenize)[1]
 
-    def _spawn(self, name: str, argv: list[str], url: str) -> _Proc:
+    def _spawn(
+        self, name: str, argv: list[str], url: str, keys: dict[str, str] | None = None
+    ) -> _Proc:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
+        env = {k: v for k, v in os.environ.items() if k not in _KEY_ENV}
         popen = subprocess.Popen(
             [sys.executable, "-m", "kvserve.cli", *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # our Ctrl-C handling stops it, not the terminal's
+            env={**env, **(keys or {})},
         )
         return _Proc(name, popen, url)
 
@@ -110,7 +128,8 @@ class LocalCluster:
                     *spec.engine_args,
                 ]  # fmt: skip
                 url = f"http://127.0.0.1:{port}"
-                self.engines.append(self._spawn(f"engine{i}", argv, url))
+                keys = {"KVSERVE_API_KEY": self.engine_api_key} if self.engine_api_key else None
+                self.engines.append(self._spawn(f"engine{i}", argv, url, keys))
                 endpoints.append(
                     f"{url},events=tcp://127.0.0.1:{ev_port},"
                     f"replay=tcp://127.0.0.1:{replay_port},name=engine{i}"
@@ -120,7 +139,13 @@ class LocalCluster:
             for ep in endpoints:
                 argv += ["--endpoint", ep]
             argv += spec.router_args
-            self.router = self._spawn("router", argv, f"http://127.0.0.1:{rport}")
+            keys = None
+            if spec.api_key and self.engine_api_key:
+                keys = {
+                    "KVSERVE_API_KEY": spec.api_key,
+                    "KVSERVE_UPSTREAM_API_KEY": self.engine_api_key,
+                }
+            self.router = self._spawn("router", argv, f"http://127.0.0.1:{rport}", keys)
             for p in [*self.engines, self.router]:
                 wait_for_server(p.url, timeout=timeout, proc=p.popen)
             self._wait_router_sees_engines(timeout)
@@ -134,9 +159,12 @@ class LocalCluster:
         import httpx
 
         end = time.monotonic() + timeout
+        auth = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
         while time.monotonic() < end:
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                r = httpx.get(self.router_url + "/router/state", timeout=5.0, trust_env=False)
+                r = httpx.get(
+                    self.router_url + "/router/state", headers=auth, timeout=5.0, trust_env=False
+                )
                 eps = r.json()["endpoints"]
                 if len(eps) == len(self.engines) and all(e["healthy"] for e in eps):
                     return

@@ -9,7 +9,7 @@ Flags override the config file. Examples::
         --scorer precise_prefix=3 --scorer load=2
     KVSERVE_API_KEY=sk-1 kvserve route --upstream-api-key sk-engines --endpoint ...
 
-API keys: ``--api-key`` (repeatable), else ``KVSERVE_API_KEY`` or ``VLLM_API_KEY``; the key
+API keys: ``--api-key`` (repeatable), else ``KVSERVE_API_KEY`` and/or ``VLLM_API_KEY``; the key
 sent to engines: ``--upstream-api-key``, else ``KVSERVE_UPSTREAM_API_KEY`` (or ``api_key=``
 in an ``--endpoint``). Keys in the environment stay out of ``ps``.
 """
@@ -42,7 +42,7 @@ _ENDPOINT_KEYS = {
     "api_key": "api_key",
     "curve_server_key": "kv_events_curve_server_key",
 }
-API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' key, first set wins
+API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' keys
 UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
 
 
@@ -163,9 +163,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
     if args.api_key:
         cfg.api_keys = list(args.api_key)
-    if not cfg.api_keys:
-        env_key = next((os.environ[v] for v in API_KEY_ENV if os.environ.get(v)), None)
-        cfg.api_keys = [env_key] if env_key else []
+    if not cfg.api_keys:  # both, when both are set (as `kvserve serve` does)
+        cfg.api_keys = list(dict.fromkeys(os.environ[v] for v in API_KEY_ENV if os.environ.get(v)))
     if cfg.upstream_api_key is None and os.environ.get(UPSTREAM_API_KEY_ENV):
         cfg.upstream_api_key = os.environ[UPSTREAM_API_KEY_ENV]
     if args.scorer:
