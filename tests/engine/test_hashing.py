@@ -20,7 +20,7 @@ from kvserve.engine.hashing import (
 
 
 def _salt_key(salt: str) -> str:
-    """Block 0's extra key of a salted request, as specs/kv-events.md's note fixes it."""
+    """Block 0's extra key of a salted request, as engine/hashing.py's docstring fixes it."""
     digest = hashlib.sha256(b"kvserve/cache_salt/v1\x00" + salt.encode()).hexdigest()
     return "salt-sha256:" + digest
 
