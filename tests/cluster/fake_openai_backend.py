@@ -43,6 +43,7 @@ class FakeBackend:
         self.delay = 0.0  # seconds per completion
         self.api_key: str | None = None  # required on /v1/* when set
         self.backlog = 128
+        self.max_model_len: int | None = None  # reported in /v1/models when set
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -90,9 +91,10 @@ class FakeBackend:
         return web.Response(status=200 if self.healthy else 503, text="")
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "t"}]}
-        )
+        card = {"id": self.model, "object": "model", "owned_by": "t"}
+        if self.max_model_len:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = (

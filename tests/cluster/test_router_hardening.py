@@ -136,6 +136,48 @@ def test_prefix_encoder_is_exact_and_stops_at_the_cap(tiny_model_dir) -> None:
     assert len(PrefixEncoder(tok, 500, chunk_chars=1000).encode("x" * 50_000)) == 500
 
 
+def test_scoring_tokenizes_up_to_the_largest_context_on_bounded_workers(tiny_model_dir) -> None:
+    """The router learns each endpoint's context from its model cards and tokenizes a long
+    prompt only that far; tokenizer jobs beyond the bound are refused (routed on raw text)."""
+    import threading
+
+    from kvserve.cluster.tokenization import TokenizerWorkers
+
+    async def main() -> None:
+        a = FakeBackend("a")
+        a.max_model_len = 1000
+        b = FakeBackend("b")
+        b.max_model_len = 3000
+        await a.start()
+        await b.start()
+        router = await start_router(
+            [a.url, b.url], tokenizer=str(tiny_model_dir), inline_tokenize_chars=100
+        )
+        try:
+            assert router._max_tokens("m") == 3000
+            body = {"model": "m", "prompt": _words_text(100_000)}
+            req = await router._routing_request(body, False, None)
+            assert req.token_ids is not None and len(req.token_ids) == 3000
+            async with aiohttp.ClientSession() as s:
+                assert (await post(s, router, body))[0] == 200
+        finally:
+            await stop_all(router, a, b)
+
+    arun(main)
+    workers = TokenizerWorkers(threads=1, max_pending=2)
+    gate = threading.Event()
+    try:
+        jobs = [workers.submit(gate.wait) for _ in range(2)]
+        assert all(jobs) and workers.submit(gate.wait) is None and workers.refused == 1
+        gate.set()
+        for job in jobs:
+            assert job is not None and job.result(5)
+        assert workers.submit(lambda: 7).result(5) == 7  # room again
+    finally:
+        gate.set()
+        workers.shutdown()
+
+
 # ------------------------------------------------------------------------------ slow clients
 
 
