@@ -4,11 +4,12 @@ one file per chunk.
 Owns the file naming, the atomic write (a unique temporary name in the chunk's directory, then
 ``rename``: a reader never sees a torn file), the verified read, and the retention sweeper that
 bounds the namespace's size. Options (``fs:path=/mnt/kv,size=500``): ``path`` (the shared
-root), ``size`` (retention limit, GiB or ``512MiB``: every instance applies it), ``sweep_interval``
-(seconds between sweeps), ``fsync`` (flush each file before its rename; default off: a crash
-loses at most recent chunks, and the hash rejects a torn one), ``locality`` (``LOCAL``, or
-``REMOTE`` for NFS and other network file systems), ``io_threads`` (concurrent files within one
-call).
+root), ``size`` (retention limit, GiB or ``512MiB``: every instance applies it),
+``sweep_interval`` (seconds between sweeps), ``sweep_after`` (bytes this instance writes that
+bring the next sweep forward; default 5% of ``size``, 0: never), ``fsync`` (flush each file
+before its rename; default off: a crash loses at most recent chunks, and the hash rejects a
+torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file systems),
+``io_threads`` (concurrent files within one call).
 
 Layout: ``<path>/<codec.namespace>/<key[0:1].hex()>/<key.hex()>.kvc``, each file being
 ``codec.header(key, payload) + payload``. The namespace separates models, layouts and format
@@ -16,10 +17,10 @@ versions; the header and full-content hash are checked on every read, and a file
 (truncated, bit-flipped, another format) is removed and counted.
 
 Retention is LRU-ish across instances: a write and a hit set the file's mtime (to the
-nanosecond), and a sweep (every ``sweep_interval``, and early once this instance wrote 5% of
-``size`` since the last one) deletes the least recently used files until the namespace holds
-90% of ``size``, plus temporary files left for more than a minute by a writer that died.
-Instances may sweep at once: a file another one already deleted is skipped.
+nanosecond), and a sweep (every ``sweep_interval``, and early once this instance wrote
+``sweep_after`` bytes since the last one) deletes the least recently used files until the
+namespace holds 90% of ``size``, plus temporary files left for more than a minute by a writer
+that died. Instances may sweep at once: a file another one already deleted is skipped.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class FsBackend(StorageBackend):
         path: str | os.PathLike,
         size: Any,
         sweep_interval: Any = 30.0,
+        sweep_after: Any = None,
         fsync: Any = False,
         locality: str = "LOCAL",
         io_threads: Any = 4,
@@ -115,6 +117,10 @@ class FsBackend(StorageBackend):
         self.sweep_interval = float(sweep_interval)
         if self.sweep_interval <= 0:
             raise ValueError(f"fs tier: sweep_interval must be > 0, got {sweep_interval!r}")
+        # Bytes this instance writes that trigger a sweep before the interval (0: never).
+        self.sweep_after = (
+            int(SWEEP_EARLY * self.size_bytes) if sweep_after is None else parse_size(sweep_after)
+        )
         self.fsync = _flag(fsync, "fsync")
         self.stored_bytes = codec.stored_bytes
         self.root = root
@@ -291,7 +297,7 @@ class FsBackend(StorageBackend):
         )
         with self._lock:
             self._written_since_sweep += nbytes
-            early = self._written_since_sweep > SWEEP_EARLY * self.size_bytes
+            early = 0 < self.sweep_after < self._written_since_sweep
         if early:
             self._wake.set()
         return [not isinstance(r, OSError) for r in res]
