@@ -292,9 +292,9 @@ def test_corrupt_chunk_in_tier_is_recomputed() -> None:
     h.conn.tier.blocks[slot].fill_(-1.0)
     b = h.add("b", a + [5], 2)
     h.run()
-    # Loaded blocks 0..3 were kept, 4.. recomputed; the output is unaffected.
-    assert b.num_cached_tokens + b.num_external_computed_tokens == 36  # as planned
-    assert b.num_external_computed_tokens >= 32
+    # Loaded blocks 0..3 were kept, 4.. recomputed; the output is unaffected. The metrics
+    # report what was served (4 blocks), not what was planned (9).
+    assert b.num_cached_tokens + b.num_external_computed_tokens == 16
     assert h.conn.stats().extra["invalid_chunks"] == 1
     assert mgr.lookup([ref_req.block_hashes[4]]) in (0, 1)  # dropped, maybe stored again
     assert h.done["b"].output_token_ids == reference_outputs([a, a + [5]], 2)[1]
