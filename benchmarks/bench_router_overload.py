@@ -304,7 +304,7 @@ def main() -> None:
             f"{r['served_p50_s']:.2f} / {r['served_p99_s']:.2f} | "
             f"{r['shed_p50_s']:.2f} | {r['wall_s']:.1f} | "
             f"{r['ejections_total']}{' (seen out)' if r['unhealthy_seen_during_burst'] else ''} "
-            f"| {r['loadavg_1m']:.1f} |"
+            f"| {r['loadavg_1m']:.1f} |".replace("| nan |", "| - |")
         )
     summary = [
         f"- The router queues every request of a burst up to {last_queued:,} concurrent clients "
