@@ -9,6 +9,8 @@ to a power of two.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from kvserve.kv.backends import register_backend
@@ -64,11 +66,18 @@ class CpuBackend(Backend):
             )
         k = layout.blocks_per_chunk
         try:
-            blocks = torch.empty((num_slots * k, *layout.block_shape), dtype=layout.torch_dtype)
-        except RuntimeError as e:
+            # Anonymous mmap: page-aligned, so with page-multiple chunks every slot starts on a
+            # page and storage tiers read into slots directly with O_DIRECT (no bounce buffer).
+            self._mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as e:
             raise MemoryError(
                 f"cannot allocate the KV offload tier ({_fmt_gib(nbytes)}): {e}"
             ) from e
+        blocks = (
+            torch.frombuffer(self._mem, dtype=torch.uint8)
+            .view(layout.torch_dtype)
+            .view(num_slots * k, *layout.block_shape)
+        )
         # Fault every page in now (~0.5 s/GiB): the memory is really held from the start, and
         # page faults do not land on the transfer thread, where they cost 3x the copy and take a
         # core from the forward pass.
