@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -478,12 +479,24 @@ def test_non_streaming_client_disconnect_aborts(served):
         "ignore_eos": True,
         "temperature": 0,
     }
-    with (
-        httpx.Client(base_url=served.base_url, timeout=0.5) as http,
-        pytest.raises(httpx.ReadTimeout),
-    ):
-        http.post("/v1/completions", json=body)  # gives up (closes) before the answer
-    served.wait_idle()
+    runner = served.engine.runner
+    real_execute = runner.execute_model
+    slow = threading.Event()
+
+    def slow_execute(scheduler_output):  # 200 steps take >= 2 s, whatever the machine
+        slow.wait(0.01)
+        return real_execute(scheduler_output)
+
+    runner.execute_model = slow_execute
+    try:
+        with (
+            httpx.Client(base_url=served.base_url, timeout=0.5) as http,
+            pytest.raises(httpx.ReadTimeout),
+        ):
+            http.post("/v1/completions", json=body)  # gives up (closes) before the answer
+        served.wait_idle()
+    finally:
+        runner.execute_model = real_execute
     served.engine.check_integrity()
 
 

@@ -56,7 +56,11 @@ logger = logging.getLogger(__name__)
 
 # After a request body this large, freed memory is handed back to the OS (malloc_trim).
 _TRIM_AFTER_BYTES = 1 << 20
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# \uD800-\uDBFF not followed by \uDC00-\uDFFF, or the latter without the former.
+_LONE_SURROGATE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
 
 
 def _error(status: int, description: str) -> dict[str, Any]:
@@ -136,7 +140,7 @@ def _decode_json(body: bytes) -> dict[str, Any]:
         data = msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         message = f"Invalid JSON body: {exc}"
-        if _SURROGATE_ESCAPE.search(body):
+        if _LONE_SURROGATE.search(body):
             message += " (a lone UTF-16 surrogate such as \\ud800 is not valid text)"
         raise APIError(message) from None
     except RecursionError:
