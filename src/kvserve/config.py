@@ -69,6 +69,18 @@ class EngineConfig:
     kv_events_curve_secret_key: str | None = None  # this engine's .key_secret file
     kv_events_curve_allowed_clients: str | None = None  # dir of admitted subscribers' .key
     enable_kv_cache_events: bool = False  # record events (implied by kv_events_endpoint)
+    # Prefill/decode disaggregation (kv/pd): this engine serves its KV to decode engines
+    # (producer), pulls KV from prefill engines (consumer), or both. vLLM's spellings
+    # kv_producer | kv_consumer | kv_both are accepted.
+    kv_role: str | None = None  # producer | consumer | both
+    # vLLM-style JSON, e.g. '{"kv_connector":"pd","kv_role":"kv_both","kv_port":14579}'
+    # (kv_ip, kv_port, engine_id, kv_connector_extra_config.{lease,transfer}_timeout map too)
+    kv_transfer_config: str | None = None
+    kv_transfer_host: str = "127.0.0.1"  # the producer's block server address (advertised)
+    kv_transfer_port: int = 0  # the producer's block server port (0: a free one)
+    kv_lease_timeout: float = 30.0  # s; blocks held for a decode side that never pulls are freed
+    kv_transfer_timeout: float = 10.0  # s without progress before a pull is given up (recompute)
+    kv_engine_id: str | None = None  # names this engine in kv_transfer_params (default: random)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -80,14 +92,89 @@ class EngineConfig:
                 "storage tiers (kv_tier / kv_tiers_config) are staged through the host-memory "
                 "tier: set kv_offload_size > 0 (GiB) too"
             )
+        if self.kv_transfer_config:
+            _apply_kv_transfer_config(self, self.kv_transfer_config)
+        if self.kv_role is not None:
+            self.kv_role = _kv_role(self.kv_role)
+            if self.kv_connector not in (None, "pd"):
+                raise ValueError(f"kv_role needs the pd connector, not {self.kv_connector!r}")
+            self.kv_connector = "pd"  # chained with offloading when kv_offload_size > 0
+        elif self.kv_connector == "pd":
+            self.kv_role = "both"
+        if self.kv_lease_timeout <= 0 or self.kv_transfer_timeout <= 0:
+            raise ValueError("kv_lease_timeout and kv_transfer_timeout must be > 0")
+        if not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.kv_transfer_port}")
         if self.kv_offload_size and not self.kv_connector:
             self.kv_connector = "offload"
-        if self.kv_connector == "offload" and self.kv_offload_block_size is None:
+        if (
+            self.kv_connector == "offload" or self.kv_offload_size > 0
+        ) and self.kv_offload_block_size is None:
             self.kv_offload_block_size = max(DEFAULT_OFFLOAD_BLOCK_SIZE, self.block_size)
         if self.kv_offload_block_size is not None and (
             self.kv_offload_block_size % self.block_size
         ):
             raise ValueError("kv_offload_block_size must be a multiple of block_size")
+
+
+_KV_ROLES = {
+    "producer": "producer", "kv_producer": "producer",
+    "consumer": "consumer", "kv_consumer": "consumer",
+    "both": "both", "kv_both": "both",
+}  # fmt: skip
+# vLLM connectors whose kv_transfer_params contract the pd connector speaks.
+_PD_CONNECTOR_NAMES = ("pd", "NixlConnector")
+
+
+def _kv_role(role: str) -> str:
+    if not isinstance(role, str) or role not in _KV_ROLES:
+        raise ValueError(f"kv_role must be one of {sorted(_KV_ROLES)}, got {role!r}")
+    return _KV_ROLES[role]
+
+
+def _apply_kv_transfer_config(cfg: EngineConfig, text: str) -> None:
+    """Fill the P/D fields from vLLM's ``--kv-transfer-config`` JSON (unknown keys of vLLM's
+    config are ignored; a field given both ways must agree)."""
+    import json
+
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError("kv_transfer_config must be a JSON object")
+    name = d.get("kv_connector")
+    if name is not None and name not in _PD_CONNECTOR_NAMES:
+        raise ValueError(
+            f"kv_transfer_config: kv_connector {name!r} is not supported; use one of "
+            f"{list(_PD_CONNECTOR_NAMES)} (kvserve's TCP transport speaks their contract)"
+        )
+    extra = d.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_transfer_config: kv_connector_extra_config must be an object")
+    given = {  # field: (JSON key, value)
+        "kv_role": ("kv_role", _kv_role(d["kv_role"]) if "kv_role" in d else None),
+        "kv_transfer_host": ("kv_ip", d.get("kv_ip")),
+        "kv_transfer_port": ("kv_port", d.get("kv_port")),
+        "kv_engine_id": ("engine_id", d.get("engine_id")),
+        "kv_lease_timeout": ("lease_timeout", extra.get("lease_timeout")),
+        "kv_transfer_timeout": ("transfer_timeout", extra.get("transfer_timeout")),
+    }
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for key, (json_key, value) in given.items():
+        if value is None:
+            continue
+        want = type(defaults[key]) if defaults[key] is not None else str
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ValueError(f"kv_transfer_config: {json_key} must be of type {want.__name__}")
+        current = getattr(cfg, key)
+        if key == "kv_role" and current is not None:
+            current = _kv_role(current)
+        if current not in (defaults[key], value):
+            raise ValueError(f"kv_transfer_config sets {key}={value!r}, the flag {current!r}")
+        setattr(cfg, key, value)
 
 
 @dataclass

@@ -176,6 +176,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
 
@@ -190,7 +191,9 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise KeyError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-            self._commands.append(("add", (request_id, prompt, params, cache_salt)))
+            self._commands.append(
+                ("add", (request_id, prompt, params, cache_salt, kv_transfer_params))
+            )
             self._cond.notify()
         handle = RequestStream(self, stream)
         try:
@@ -210,9 +213,12 @@ class AsyncEngine:
         request_id: str,
         *,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, cache_salt=cache_salt)
+        stream = await self.add_request(
+            request_id, prompt, params, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params
+        )
         try:
             async for out in stream:
                 yield out
@@ -271,12 +277,18 @@ class AsyncEngine:
     def _apply(self, commands: list[tuple[str, Any]]) -> None:
         for kind, payload in commands:
             if kind == "add":
-                request_id, prompt, params, cache_salt = payload
+                request_id, prompt, params, cache_salt, kv_transfer_params = payload
                 stream = self._streams.get(request_id)
                 if stream is None:  # aborted before it was added
                     continue
                 try:
-                    self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                    self.engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        cache_salt=cache_salt,
+                        kv_transfer_params=kv_transfer_params,
+                    )
                 except Exception as exc:
                     with self._cond:
                         self._streams.pop(request_id, None)

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.config import EngineConfig, GiB
 from kvserve.engine.kv_cache_manager import KVCacheManager
@@ -130,8 +131,13 @@ class LLMEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
-        """Validate and enqueue one request (``params.n`` must be 1: callers fan out)."""
+        """Validate and enqueue one request (``params.n`` must be 1: callers fan out).
+
+        ``kv_transfer_params`` follows vLLM's P/D contract (``do_remote_decode`` on a prefill
+        engine, the returned parameters with ``do_remote_prefill`` on a decode engine); an
+        engine without a KV connector ignores them."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._states:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -169,6 +175,11 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length {self.max_model_len}"
             )
+        if kv_transfer_params is not None:
+            if not isinstance(kv_transfer_params, dict):
+                raise ValueError("kv_transfer_params must be an object")
+            if self.connector is not None:
+                self.connector.check_kv_transfer_params(kv_transfer_params)
         if self._extra_eos and not params.ignore_eos:
             # generation_config.json may list several EOS ids (Llama 3): all of them stop.
             params.stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *self._extra_eos]))
@@ -181,6 +192,7 @@ class LLMEngine:
             prefix_hash_seed=self.config.prefix_hash_seed,
             cache_salt=cache_salt,
             prompt=text,
+            kv_transfer_params=kv_transfer_params,
         )
         self._states[request_id] = _RequestState(
             req, IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -331,6 +343,7 @@ class LLMEngine:
             metrics=metrics,
             new_token_ids=list(new_ids),
             new_text=new_text,
+            kv_transfer_params=req.finished_kv_transfer_params if finished else None,
         )
 
     # ------------------------------------------------------------------ state

@@ -105,6 +105,9 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # Set on the finished output when the KV connector returns parameters (P/D: where the
+    # decode engine pulls this request's KV from), as vLLM's ``kv_transfer_params``.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.hashing import BlockHash, BlockHasher
 from kvserve.engine.sampling_params import SamplingParams
@@ -67,6 +68,7 @@ class Request:
         lora_name: str | None = None,
         priority: int = 0,
         prompt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -76,6 +78,10 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        # P/D (vLLM's contract): what the caller asked of the KV connector, and what the
+        # connector returns once the request finished (where its KV can be pulled from).
+        self.kv_transfer_params = kv_transfer_params
+        self.finished_kv_transfer_params: dict[str, Any] | None = None
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -131,7 +131,14 @@ class Scheduler:
         self._cache_after_step.discard(rid)
         self.finished_req_ids.add(rid)
         block_ids = self.kv.get_block_ids(rid)
-        if self.connector is not None and self.connector.request_finished(request, block_ids):
+        held = False
+        if self.connector is not None:
+            held = self.connector.request_finished(request, block_ids)
+            if request.kv_transfer_params is not None:
+                request.finished_kv_transfer_params = (
+                    self.connector.get_finished_kv_transfer_params(request)
+                )
+        if held:
             self.held[rid] = request
         else:
             self.kv.free(request)

@@ -88,8 +88,17 @@ class KVConnectorBase(ABC):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """Request is done. True: the scheduler must keep ``block_ids`` allocated until the
-        request id appears in ``finished_sending`` (an async store still reads them)."""
+        request id appears in ``finished_sending`` (an async store still reads them, a peer
+        is still to pull them)."""
         return False
+
+    def check_kv_transfer_params(self, params: dict[str, Any]) -> None:  # noqa: B027
+        """Validate a request's ``kv_transfer_params`` at admission (ValueError: refused)."""
+
+    def get_finished_kv_transfer_params(self, request: Request) -> dict[str, Any] | None:
+        """After :meth:`request_finished`: the ``kv_transfer_params`` the finished request
+        returns to its caller (P/D: where a decode engine pulls its KV from), or None."""
+        return None
 
     def take_events(self) -> list[AnyKVEvent]:
         """KV events of the connector's tiers since the last call."""
@@ -146,7 +155,7 @@ def register_connector(name: str) -> Callable[[type[KVConnectorBase]], type[KVCo
 
 
 # Built-in connectors, imported on first use so that their registration runs.
-BUILTIN_CONNECTORS = {"offload": "kvserve.kv.offload.connector"}
+BUILTIN_CONNECTORS = {"offload": "kvserve.kv.offload.connector", "pd": "kvserve.kv.pd.connector"}
 
 
 def create_connector(config: EngineConfig) -> KVConnectorBase | None:

@@ -1,0 +1,248 @@
+"""The producer's block server (TCP): serves leased KV blocks to decode engines.
+
+One accept thread, one thread per pull (at most ``max_connections`` at once; more are closed
+at once and the consumer recomputes), one sealing thread that digests each new lease's blocks.
+A pull names its lease and the lease's block indices it wants; the server checks the lease and
+that the consumer's model fingerprint and block size are its own, sends a header (chain hash
+and sealed xxh3-64 digest per block) and then the blocks' bytes straight from the KV pool, one
+``sendall`` per run of consecutive blocks. Whatever the outcome, the lease ends with the pull,
+and a stalled peer is cut after ``timeout`` seconds without progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from kvserve.kv.pd.block_memory import BlockMemory, block_runs
+from kvserve.kv.pd.leases import Lease, LeaseState, LeaseTable
+from kvserve.kv.pd.transport import LeaseServer
+from kvserve.kv.pd.wire import (
+    PROTOCOL_VERSION,
+    PullDone,
+    PullHeader,
+    PullRequest,
+    TransferError,
+    recv_msg,
+    send_msg,
+)
+
+logger = logging.getLogger(__name__)
+
+ACCEPT_POLL_S = 0.2  # how often the accept loop looks at the stop flag
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+@dataclass
+class ServerCounts:
+    pulls: int = 0  # connections that named a lease
+    pulls_ok: int = 0  # the consumer verified every block it asked for
+    pulls_failed: int = 0  # refused, broken off, or the consumer reported a bad block
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    send_time_s: float = 0.0
+    refused_connections: int = 0  # beyond max_connections
+
+
+def advertised_host(host: str) -> str:
+    """The address peers reach a server bound to ``host`` at."""
+    if host not in ("", "0.0.0.0", "::"):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class TcpBlockServer(LeaseServer):
+    def __init__(
+        self,
+        memory: BlockMemory,
+        leases: LeaseTable,
+        fingerprint: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 10.0,
+        max_connections: int = 16,
+    ) -> None:
+        self.memory = memory
+        self.leases = leases
+        self.fingerprint = fingerprint
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self.counts = ServerCounts()
+        self._counts_lock = threading.Lock()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.settimeout(ACCEPT_POLL_S)
+        self._sock = sock
+        self._address = (advertised_host(host), sock.getsockname()[1])
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._to_seal: queue.SimpleQueue[Lease | None] = queue.SimpleQueue()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="kvserve-pd-server", daemon=True
+        )
+        self._seal_thread = threading.Thread(
+            target=self._seal_loop, name="kvserve-pd-seal", daemon=True
+        )
+        self._accept_thread.start()
+        self._seal_thread.start()
+        logger.info("P/D block server on %s:%d", *self._address)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._address
+
+    # -- sealing ----------------------------------------------------------------------------
+    def seal(self, lease: Lease) -> None:
+        self._to_seal.put(lease)
+
+    def _seal_loop(self) -> None:
+        while True:
+            lease = self._to_seal.get()
+            if lease is None:
+                return
+            if lease.state != LeaseState.RELEASED:
+                try:
+                    lease.digests = self.memory.digests(lease.block_ids)
+                except Exception:  # noqa: BLE001 - an unsealed lease is refused, never served
+                    logger.exception("sealing lease of request %s failed", lease.req_id)
+            lease.sealed.set()
+
+    # -- serving ----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(ACCEPT_POLL_S)  # e.g. out of file descriptors: retry later
+                continue
+            with self._conns_lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                with self._counts_lock:
+                    self.counts.refused_connections += 1
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="kvserve-pd-pull", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lease: Lease | None = None
+        ok = False
+        try:
+            conn.settimeout(self.timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            deadline = time.monotonic() + self.timeout
+            req = recv_msg(conn, PullRequest, deadline)
+            lease = self.leases.take(req.lease_id)
+            with self._counts_lock:
+                self.counts.pulls += 1
+            error = self._refusal(req, lease)
+            if error:
+                if lease is None:
+                    with self._counts_lock:
+                        self.counts.pulls_failed += 1
+                send_msg(conn, PullHeader(ok=False, error=error))
+                return
+            assert lease is not None and lease.digests is not None
+            ids = lease.block_ids[req.start : req.end]
+            send_msg(
+                conn,
+                PullHeader(
+                    ok=True,
+                    block_bytes=self.memory.block_bytes,
+                    hashes=lease.block_hashes[req.start : req.end],
+                    digests=lease.digests[req.start : req.end],
+                ),
+            )
+            t0 = time.perf_counter()
+            self._send_blocks(conn, ids)
+            dt = time.perf_counter() - t0
+            # The bytes left the blocks; wait (bounded) for the consumer's verdict.
+            done = recv_msg(conn, PullDone, time.monotonic() + self.timeout)
+            ok = done.ok
+            if not ok:
+                logger.warning(
+                    "P/D pull of request %s: consumer verified %d of %d blocks (%s)",
+                    lease.req_id, done.good_blocks, len(ids), done.error,
+                )  # fmt: skip
+            with self._counts_lock:
+                self.counts.blocks_sent += len(ids)
+                self.counts.bytes_sent += len(ids) * self.memory.block_bytes
+                self.counts.send_time_s += dt
+        except (OSError, TransferError) as e:
+            logger.info("P/D pull broken off: %s", e)
+        except Exception:  # noqa: BLE001 - a bad peer must not take the server down
+            logger.exception("P/D pull failed")
+        finally:
+            if lease is not None:
+                self.leases.release(lease)
+                with self._counts_lock:
+                    if ok:
+                        self.counts.pulls_ok += 1
+                    else:
+                        self.counts.pulls_failed += 1
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _refusal(self, req: PullRequest, lease: Lease | None) -> str:
+        if req.version != PROTOCOL_VERSION:
+            return f"protocol version {req.version} (server speaks {PROTOCOL_VERSION})"
+        if lease is None:
+            return "unknown, expired or already pulled lease"
+        if req.fingerprint != self.fingerprint or req.block_bytes != self.memory.block_bytes:
+            return (
+                f"model/layout mismatch: consumer {req.fingerprint}/{req.block_bytes}B, "
+                f"producer {self.fingerprint}/{self.memory.block_bytes}B"
+            )
+        if not 0 <= req.start <= req.end <= lease.num_blocks:
+            return f"blocks [{req.start}, {req.end}) outside the lease's {lease.num_blocks}"
+        if req.end > req.start and not lease.sealed.wait(self.timeout):
+            return "lease not sealed in time"
+        if req.end > req.start and lease.digests is None:
+            return "lease could not be sealed"
+        return ""
+
+    def _send_blocks(self, conn: socket.socket, block_ids: list[int]) -> None:
+        mem = self.memory
+        if not mem.is_cuda:
+            for first, count, _ in block_runs(block_ids):
+                conn.sendall(mem.view(first, count))
+            return
+        # CUDA (untested here): staged through pinned host memory, piece by piece.
+        staging = mem.staging_buffer()
+        for first, count, _ in block_runs(block_ids):
+            for piece in mem.stage_out(first, count, staging):
+                conn.sendall(piece)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._to_seal.put(None)
+        with self._conns_lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._accept_thread.join(5)
+        self._seal_thread.join(5)
+        self._sock.close()
