@@ -57,6 +57,9 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None  # isolates this tenant's prefix cache
     response_format: ResponseFormat | None = None
+    # Prefill/decode disaggregation, vLLM's contract: {"do_remote_decode": true} on the prefill
+    # leg; the parameters its response returned on the decode leg.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -155,6 +158,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: the decode leg's parameters
 
 
 class TopLogprob(BaseModel):
@@ -191,6 +195,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: the decode leg's parameters
 
 
 class DeltaMessage(BaseModel):

@@ -128,6 +128,12 @@ class _Batch:
             for t in tasks:
                 t.cancel()
 
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """P/D: the finished request's parameters for the decode leg (one choice only)."""
+        if len(self.choices) != 1 or self.choices[0].last is None:
+            return None
+        return self.choices[0].last.kv_transfer_params
+
     def usage(self) -> Usage:
         """Prompt tokens count once per prompt (from its first choice), as OpenAI does."""
         prompt = primary = offload = completion = 0
@@ -198,6 +204,16 @@ class OpenAIServing:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed when stream is true")
+        ktp = req.kv_transfer_params
+        if ktp is not None:
+            if req.n != 1:
+                raise bad_request("kv_transfer_params needs n=1", "kv_transfer_params")
+            if req.stream and ktp.get("do_remote_decode") is True:
+                raise bad_request(
+                    "kv_transfer_params.do_remote_decode needs stream=false: the decode leg's "
+                    "parameters come back in the response body",
+                    "kv_transfer_params",
+                )
         if req.response_format is not None and req.response_format.type != "text":
             raise bad_request(
                 f"response_format {req.response_format.type!r} is not supported: kvserve has no "
@@ -329,7 +345,11 @@ class OpenAIServing:
         ticket.hand_over(1)
         try:
             stream = await self.engine.add_request(
-                rid, prompts[c.prompt_index], p, cache_salt=req.cache_salt
+                rid,
+                prompts[c.prompt_index],
+                p,
+                cache_salt=req.cache_salt,
+                kv_transfer_params=req.kv_transfer_params,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
@@ -376,6 +396,8 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (beam search is not supported)", "best_of")
         items = self._prompt_items(req)
+        if req.kv_transfer_params is not None and len(items) != 1:
+            raise bad_request("kv_transfer_params needs a single prompt", "kv_transfer_params")
         with self.admission.admit(len(items) * req.n) as ticket:
             prompts = await self._completion_prompts(items)
             params = [
@@ -406,7 +428,11 @@ class OpenAIServing:
             if c.output is not None
         ]
         resp = CompletionResponse(
-            id=batch.request_id, model=model, choices=choices, usage=batch.usage()
+            id=batch.request_id,
+            model=model,
+            choices=choices,
+            usage=batch.usage(),
+            kv_transfer_params=batch.kv_transfer_params(),
         )
         return _json(resp)
 
@@ -513,7 +539,11 @@ class OpenAIServing:
             if c.output is not None
         ]
         resp = ChatCompletionResponse(
-            id=batch.request_id, model=model, choices=choices, usage=batch.usage()
+            id=batch.request_id,
+            model=model,
+            choices=choices,
+            usage=batch.usage(),
+            kv_transfer_params=batch.kv_transfer_params(),
         )
         return _json(resp)
 
