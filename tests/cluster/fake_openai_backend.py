@@ -6,6 +6,18 @@ unhealthy, to fail with a status, to hold a stream between chunks, to stream slo
 ``delay`` seconds per completion, to require an API key on /v1/* (as an engine does), or to
 listen with a small accept backlog.
 
+P/D, as vLLM's engines under its contract: a request with ``kv_transfer_params:
+{"do_remote_decode": true}`` (a prefill leg) is answered with a top-level
+``kv_transfer_params`` naming this backend as the producer (``remote_engine_id``, block ids,
+host, port), after ``prefill_delay`` seconds (or without them: ``pd_no_params``); a decode
+leg (``do_remote_prefill``) says in its text whose KV it pulled. Every request body and its
+headers are recorded.
+
+Control (for a backend in another process): ``POST /_fake/config`` sets attributes from a
+JSON object (``fail_status``, ``delay``, ``prefill_delay``, ``pd_no_params``, ``chunks``,
+``chunk_interval``, ``healthy``, ...); ``GET /_fake/state`` returns the recorded requests,
+headers and counters; ``POST /_fake/reset`` forgets them.
+
 Run as a process (``python -m tests.cluster.fake_openai_backend --count 2 ...``) it prints
 one JSON line with its ports and serves until killed; ``--stall S --stall-every T`` blocks
 its event loop S seconds every T seconds, as an engine busy with a step would, so that a
@@ -44,6 +56,10 @@ class FakeBackend:
         self.api_key: str | None = None  # required on /v1/* when set
         self.backlog = 128
         self.max_model_len: int | None = None  # reported in /v1/models when set
+        self.prefill_delay = 0.0  # extra seconds for a prefill leg (do_remote_decode)
+        self.pd_no_params = False  # answer prefill legs without kv_transfer_params
+        self.prefill_legs = 0
+        self.decode_legs = 0
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -58,6 +74,9 @@ class FakeBackend:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/_fake/config", self._config)
+        app.router.add_get("/_fake/state", self._state)
+        app.router.add_post("/_fake/reset", self._reset)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(
@@ -105,6 +124,60 @@ class FakeBackend:
         )
         return web.Response(text=text, content_type="text/plain")
 
+    _SETTABLE = frozenset(
+        {
+            "fail_status",
+            "delay",
+            "prefill_delay",
+            "pd_no_params",
+            "chunks",
+            "chunk_interval",
+            "healthy",
+            "running",
+            "waiting",
+            "kv_usage",
+        }
+    )
+
+    async def _config(self, request: web.Request) -> web.Response:
+        values = await request.json()
+        unknown = set(values) - self._SETTABLE
+        if unknown:
+            return web.json_response({"error": f"not settable: {sorted(unknown)}"}, status=400)
+        for k, v in values.items():
+            setattr(self, k, v)
+        return web.json_response({"ok": True})
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "name": self.name,
+                "requests": self.requests,
+                "headers": self.headers,
+                "completed": self.completed,
+                "disconnects": self.disconnects,
+                "prefill_legs": self.prefill_legs,
+                "decode_legs": self.decode_legs,
+            }
+        )
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        self.requests, self.headers = [], []
+        self.completed = self.disconnects = self.prefill_legs = self.decode_legs = 0
+        return web.json_response({"ok": True})
+
+    def _producer_params(self, n: int) -> dict[str, Any]:
+        """What a prefill engine returns: where the decode side pulls the blocks from."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{self.name}",
+            "remote_block_ids": [n * 10 + 1, n * 10 + 2],
+            "remote_host": "127.0.0.1",
+            "remote_port": self.port,
+            "remote_request_id": f"prefill-{self.name}-{n}",
+        }
+
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
@@ -114,25 +187,45 @@ class FakeBackend:
             return web.json_response(
                 {"error": {"message": "boom"}}, status=self.fail_status, headers=retry
             )
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        ktp = body.get("kv_transfer_params")
+        prefill = isinstance(ktp, dict) and bool(ktp.get("do_remote_decode"))
+        pulled = ktp.get("remote_engine_id") if isinstance(ktp, dict) else None
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if prefill:
+                self.prefill_legs += 1
+                if self.prefill_delay:
+                    await asyncio.sleep(self.prefill_delay)
+            elif pulled:
+                self.decode_legs += 1
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+        text = f"from {self.name}" + (f" pulled from {pulled}" if pulled else "")
         if not body.get("stream"):
             self.completed += 1
-            return web.json_response(
-                {
-                    "id": "cmpl-1",
-                    "object": "text_completion",
-                    "created": int(time.time()),
-                    "model": self.model,
-                    "choices": [{"index": 0, "text": f"from {self.name}", "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                }
-            )
+            answer: dict[str, Any] = {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.model,
+                "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+            if ktp is not None:  # vLLM: a top-level field of non-streaming responses
+                answer["kv_transfer_params"] = (
+                    self._producer_params(self.prefill_legs)
+                    if prefill and not self.pd_no_params
+                    else None
+                )
+            return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
             for i in range(self.chunks):
-                chunk = {"choices": [{"index": 0, "text": f"{self.name}-{i}"}], "model": self.model}
+                piece = f"{self.name}-{i}" + (f" pulled from {pulled}" if pulled and not i else "")
+                chunk = {"choices": [{"index": 0, "text": piece}], "model": self.model}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 if i == 0 and self.gate is not None:
                     await self.gate.wait()

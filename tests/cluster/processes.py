@@ -186,3 +186,35 @@ def is_openai_error(resp: RawResponse) -> bool:
         and "param" in err
         and (err.get("code") is None or isinstance(err.get("code"), str))
     )
+
+
+# ------------------------------------------------------------------------------ fake control
+
+
+def fake_config(url: str, **values: Any) -> None:
+    """Set attributes of a fake backend in another process (``POST /_fake/config``)."""
+    import httpx
+
+    r = httpx.post(url + "/_fake/config", json=values, timeout=10, trust_env=False)
+    r.raise_for_status()
+
+
+def fake_state(url: str) -> dict[str, Any]:
+    """What a fake backend in another process received (``GET /_fake/state``)."""
+    import httpx
+
+    r = httpx.get(url + "/_fake/state", timeout=10, trust_env=False)
+    r.raise_for_status()
+    return r.json()
+
+
+def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of metric ``name`` in Prometheus text, by sorted label pairs."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out

@@ -7,6 +7,8 @@ Flags override the config file. Examples::
         --endpoint http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558 \\
         --endpoint http://127.0.0.1:8002,events=tcp://127.0.0.1:5567 \\
         --scorer precise_prefix=3 --scorer load=2
+    kvserve route --tokenizer /models/tiny --pd-threshold 512 \
+        --endpoint http://127.0.0.1:8001,role=prefill --endpoint http://127.0.0.1:8002,role=decode
     KVSERVE_API_KEY=sk-1 kvserve route --upstream-api-key sk-engines --endpoint ...
 
 API keys: ``--api-key`` (repeatable), else ``KVSERVE_API_KEY`` and/or ``VLLM_API_KEY``; the key
@@ -41,6 +43,7 @@ _ENDPOINT_KEYS = {
     "topic": "kv_events_topic",
     "api_key": "api_key",
     "curve_server_key": "kv_events_curve_server_key",
+    "role": "role",
 }
 API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' keys
 UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
@@ -48,7 +51,7 @@ UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
 
 def parse_endpoint_flag(text: str) -> EndpointSpec:
     """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T][,api_key=K]``
-    ``[,curve_server_key=FILE]``."""
+    ``[,curve_server_key=FILE][,role=prefill|decode|both]``."""
     url, *opts = [p.strip() for p in text.split(",")]
     kwargs: dict[str, str] = {}
     for opt in opts:
@@ -80,7 +83,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="URL[,events=ADDR,...]",
         help="an engine server: URL[,events=tcp://H:P][,replay=tcp://H:P][,model=M][,name=N]"
-        " (repeatable; added to the config's endpoints)",
+        "[,role=prefill|decode|both] (repeatable; added to the config's endpoints)",
+    )
+    parser.add_argument(
+        "--pd-threshold",
+        type=int,
+        metavar="TOKENS",
+        help="prefill/decode disaggregation: split a request when the decode endpoint lacks "
+        "at least this many of its prompt tokens (0: off, the default)",
+    )
+    parser.add_argument(
+        "--pd-prefill-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a prefill leg may take before the decode endpoint serves alone (30)",
+    )
+    parser.add_argument(
+        "--pd-prefill-max-active",
+        type=int,
+        metavar="N",
+        help="prefill legs in flight (or requests waiting) that saturate a prefill endpoint (8)",
     )
     parser.add_argument("--endpoints-file", help="YAML/JSON endpoint list, re-read on change")
     parser.add_argument("--tokenizer", help="model directory whose tokenizer the router uses")
@@ -161,6 +183,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         if value:  # replace(): the index config checks the key file
             cfg.index = dataclasses.replace(cfg.index, **{flag: value})
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
+    for flag, key in (
+        ("pd_threshold", "threshold"),
+        ("pd_prefill_timeout", "prefill_timeout_s"),
+        ("pd_prefill_max_active", "prefill_max_active"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            setattr(cfg.pd, key, value)
     if args.api_key:
         cfg.api_keys = list(args.api_key)
     if not cfg.api_keys:  # both, when both are set (as `kvserve serve` does)

@@ -32,6 +32,15 @@ Defaults and why:
   never a connect timeout (with a burst in an engine's backlog, that is our own load).
 - clients: a request's head within 10 s, its body within 60 s of its head (else 408),
   kept-alive connections closed after 30 s idle; bodies up to 64 MiB.
+- prefill/decode disaggregation (``pd``): off unless ``pd.threshold`` > 0. Endpoints have a
+  ``role``: ``prefill``, ``decode`` or ``both`` (default). The decode endpoint is chosen
+  first, by the scorers above, among ``decode``/``both`` endpoints; a request is split when
+  the prompt tokens that endpoint does not hold reach ``threshold`` and some prefill endpoint
+  (``prefill``/``both``, not the decode endpoint) is not saturated (fewer than
+  ``prefill_max_active`` prefill legs in flight and waiting requests). The prefill endpoint
+  is chosen by its own profile (``prefill_scorers``: prefix 3 + load 1 by default, as for
+  decode: its cached prefix makes the prefill cheaper). A prefill leg has
+  ``prefill_timeout_s`` (30 s) to answer; on failure the decode endpoint serves alone.
 - authentication: off unless API keys are given (``api_keys``, ``--api-key``,
   ``KVSERVE_API_KEY`` / ``VLLM_API_KEY``); then ``/v1/*`` and ``/router/state`` need
   ``Authorization: Bearer <key>`` (``/metrics`` too with ``api_key_metrics``); ``/health``,
@@ -71,6 +80,14 @@ def _check_curve_key(path: str, *, secret: bool) -> None:
         raise ConfigError(str(e)) from None
 
 
+ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH = "prefill", "decode", "both"
+_ROLE_ALIASES = {
+    "prefill": ROLE_PREFILL, "producer": ROLE_PREFILL, "kv_producer": ROLE_PREFILL,
+    "decode": ROLE_DECODE, "consumer": ROLE_DECODE, "kv_consumer": ROLE_DECODE,
+    "both": ROLE_BOTH, "kv_both": ROLE_BOTH,
+}  # fmt: skip
+
+
 @dataclass
 class EndpointSpec:
     """One engine server behind the router."""
@@ -85,6 +102,9 @@ class EndpointSpec:
     # The engine's CURVE public key file when its event sockets use CURVE (default:
     # index.curve_server_key)
     kv_events_curve_server_key: str | None = None
+    # P/D: prefill (prefill legs only), decode (whole requests and decode legs) or both.
+    # vLLM's kv_producer / kv_consumer / kv_both (and producer / consumer) are accepted.
+    role: str = ROLE_BOTH
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -101,6 +121,22 @@ class EndpointSpec:
             raise ConfigError(f"endpoint {self.url}: kv_events_replay without kv_events")
         if self.kv_events_curve_server_key:
             _check_curve_key(self.kv_events_curve_server_key, secret=False)
+        role = _ROLE_ALIASES.get(self.role) if isinstance(self.role, str) else None
+        if role is None:
+            raise ConfigError(
+                f"endpoint {self.url}: role must be prefill, decode or both, got {self.role!r}"
+            )
+        self.role = role
+
+    @property
+    def can_prefill(self) -> bool:
+        """May take prefill legs."""
+        return self.role != ROLE_DECODE
+
+    @property
+    def can_decode(self) -> bool:
+        """May take whole requests and decode legs."""
+        return self.role != ROLE_PREFILL
 
     @property
     def key(self) -> str:
@@ -136,6 +172,42 @@ class SchedulerConfig:
     filters: list[str] = field(default_factory=lambda: ["model", "healthy"])
     scorers: list[ScorerSpec] = field(default_factory=default_scorers)
     picker: PickerSpec = field(default_factory=PickerSpec)
+
+
+def default_prefill_scorers() -> list[ScorerSpec]:
+    """The prefill pool's profile: its cached prefix (shorter prefill) 3, load 1."""
+    return [
+        ScorerSpec("precise_prefix", 3.0),
+        ScorerSpec("approx_prefix", 3.0),
+        ScorerSpec("load", 1.0, {"capacity": 8}),
+    ]
+
+
+@dataclass
+class PDConfig:
+    """Prefill/decode disaggregation (see the module doc)."""
+
+    # Uncached prompt tokens on the chosen decode endpoint from which a request is split
+    # (0: never; P/D is off).
+    threshold: int = 0
+    prefill_timeout_s: float = 30.0  # the whole prefill leg; past it the decode serves alone
+    # A prefill endpoint with this many prefill legs in flight (or requests waiting, scraped)
+    # is saturated; when every one is, requests are not split.
+    prefill_max_active: int = 8
+    prefill_scorers: list[ScorerSpec] = field(default_factory=default_prefill_scorers)
+    prefill_picker: PickerSpec = field(default_factory=PickerSpec)
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold > 0
+
+    def validate(self) -> None:
+        if self.threshold < 0:
+            raise ConfigError("pd.threshold must be >= 0 (0: P/D off)")
+        if self.prefill_timeout_s <= 0:
+            raise ConfigError("pd.prefill_timeout_s must be positive")
+        if self.prefill_max_active < 1:
+            raise ConfigError("pd.prefill_max_active must be >= 1")
 
 
 @dataclass
@@ -207,6 +279,7 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
 
     def validate(self) -> RouterConfig:
         if self.block_size <= 0:
@@ -237,6 +310,7 @@ class RouterConfig:
         names = [e.key for e in self.endpoints]
         if len(set(names)) != len(names):
             raise ConfigError("duplicate endpoint names/urls")
+        self.pd.validate()
         return self
 
 

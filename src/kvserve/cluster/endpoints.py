@@ -57,6 +57,7 @@ class Endpoint:
     kv_cache_usage_perc: float = 0.0
     metrics_at: float = 0.0  # time.monotonic() of the last successful scrape
     in_flight: int = 0  # requests this router has sent and not yet finished
+    prefill_in_flight: int = 0  # of which P/D prefill legs
     answered_at: float = 0.0  # time.monotonic() of the last proxied response it answered
     max_model_len: int | None = None  # the largest context its model cards report
     ejections: int = 0  # times taken out of rotation

@@ -54,6 +54,19 @@ class HealthyFilter:
         return kept
 
 
+class DecodeRoleFilter:
+    """Endpoints that serve whole requests (role ``decode`` or ``both``): an endpoint of the
+    prefill pool only takes prefill legs. Always applied, first."""
+
+    name = "decode_role"
+
+    def apply(self, req: RoutingRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
+        kept = [e for e in endpoints if e.spec.can_decode]
+        if not kept and endpoints:
+            raise NoEndpointError(503, "no decode endpoint (every endpoint has role prefill)")
+        return kept
+
+
 FILTERS: dict[str, Callable[[], Filter]] = {"model": ModelFilter, "healthy": HealthyFilter}
 
 

@@ -16,6 +16,22 @@ queue for them (bounded); when every candidate's queue is full the client gets 5
 connection, failed health checks); a connect timeout or a dropped connection asks for a
 health check now, since under a burst they are the router's own load showing.
 
+Prefill/decode disaggregation (``pd.threshold`` > 0): the scheduler's decision says
+whether a request is split (:mod:`kvserve.cluster.disaggregation`); a split request is
+carried out by vLLM's contract. The prefill leg is the client's body with ``max_tokens`` 1
+(and ``max_completion_tokens`` when given), no streaming, no ``stream_options`` and
+``kv_transfer_params: {"do_remote_decode": true}``, sent to the prefill endpoint (with the
+same authentication as any upstream request) and given ``pd.prefill_timeout_s`` in all;
+the ``kv_transfer_params`` of its JSON answer go into the decode leg, the client's body
+otherwise unchanged (streamed as the client asked), which fails over to the next decode
+endpoint before the first byte like any request (the new one pulls from the same
+producer). A prefill leg that fails (refused, error status, timeout, no
+``kv_transfer_params`` in its answer) is not retried elsewhere: the decode endpoint serves
+the client's body alone, prefilling itself. A client that disconnects cancels its handler,
+which closes whichever leg is in flight, so the engine aborts it. Responses say what
+happened: ``x-kvserve-disaggregated`` (true/false), ``x-kvserve-pd-reason``,
+``x-kvserve-decode-endpoint`` and, when a prefill leg ran, ``x-kvserve-prefill-endpoint``.
+
 Authentication (when API keys are configured): ``/v1/*`` (and ``/router/state``, optionally
 ``/metrics``) need ``Authorization: Bearer <key>``, compared in constant time (digests of
 equal length); the engines get the endpoint's own key, else the upstream key, else the
@@ -71,6 +87,12 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_HEADER = "x-kvserve-endpoint"  # on every proxied response: who served it
 _ENDPOINT_HEADER_B = ENDPOINT_HEADER.encode()
+# With P/D on, on every proxied response:
+DISAGGREGATED_HEADER = "x-kvserve-disaggregated"  # true: prefill and decode legs ran
+PD_REASON_HEADER = "x-kvserve-pd-reason"  # the decision's reason, or why the prefill failed
+PREFILL_ENDPOINT_HEADER = "x-kvserve-prefill-endpoint"  # where the prefill leg went
+DECODE_ENDPOINT_HEADER = "x-kvserve-decode-endpoint"  # who decoded (served the response)
+_DECODE_ENDPOINT_HEADER_B = DECODE_ENDPOINT_HEADER.encode()
 # Request headers not forwarded: hop-by-hop ones and those the upstream request sets itself.
 _HOP_BY_HOP = frozenset(
     {
@@ -160,7 +182,7 @@ class Router:
         self.history = RoutingHistory(config.history_ttl_s, config.history_max_blocks)
         self.sessions = SessionTable(config.session_ttl_s)
         self.history_block_size = config.block_size
-        self.scheduler = Scheduler.from_config(config.scheduler, self)
+        self.scheduler = Scheduler.from_config(config.scheduler, self, config.pd)
         self.tokenizers = TokenizerRegistry(config.tokenizer, config.tokenizers)
         self.tokenize_workers = TokenizerWorkers(
             config.tokenize_threads, config.tokenize_max_pending
@@ -358,10 +380,12 @@ class Router:
                 {
                     "name": ep.name,
                     "url": ep.url,
+                    "role": ep.spec.role,
                     "models": list(ep.models),
                     "healthy": ep.healthy,
                     "last_error": ep.last_error,
                     "in_flight": ep.in_flight,
+                    "prefill_in_flight": ep.prefill_in_flight,
                     "connections": self.upstream.busy(ep.origin),
                     "queued": self.upstream.queued(ep.origin),
                     "ejections": ep.ejections,
@@ -451,6 +475,8 @@ class Router:
         session_id = request.header(self._session_header)
         try:
             req = await self._routing_request(body, chat, session_id)
+            if self.scheduler.disaggregator is not None:
+                req.pd_skip = _pd_skip(body)
             decision = self.scheduler.schedule(req, list(self.pool.endpoints.values()))
         except BadRequestError as e:
             self.metrics.rejected_of(400).inc()
@@ -467,7 +493,7 @@ class Router:
                     )
                 )
             return
-        await self._forward(request, resp, req, decision, time.perf_counter() - t0)
+        await self._forward(request, resp, req, decision, time.perf_counter() - t0, body)
 
     async def _forward(
         self,
@@ -476,8 +502,15 @@ class Router:
         req: RoutingRequest,
         decision: Decision,
         routing_s: float,
+        body: dict[str, Any],
     ) -> None:
         headers, client_auth = _forwarded_headers(request.headers)
+        data = request.body
+        pd_headers: list[tuple[bytes, bytes]] | None = None
+        if decision.pd is not None:
+            data, pd_headers = await self._disaggregate(
+                request, req, decision, headers, client_auth, body
+            )
         attempts = decision.ranked[: self.config.max_attempts]
         last_error = "no endpoint tried"
         overloaded = False
@@ -500,7 +533,8 @@ class Router:
                 try:
                     upstream = await self._send(
                         ep,
-                        request,
+                        request.path,
+                        data,
                         headers + [auth] if auth else headers,
                         last=i == len(attempts) - 1,
                         on_sent=sent,
@@ -518,7 +552,7 @@ class Router:
                 t_first = time.perf_counter()
                 ep.answered_at = time.monotonic()
                 try:
-                    await self._relay(resp, upstream, ep)
+                    await self._relay(resp, upstream, ep, pd_headers)
                     return
                 finally:
                     metrics.first_byte_of(ep.name).observe(t_first - t_send)
@@ -542,10 +576,113 @@ class Router:
         self.metrics.rejected_of(502).inc()
         resp.send(*error_reply(502, f"all endpoints failed ({last_error})", "bad_gateway"))
 
+    async def _disaggregate(
+        self,
+        request: HttpRequest,
+        req: RoutingRequest,
+        decision: Decision,
+        headers: list[tuple[bytes, bytes]],
+        client_auth: tuple[bytes, bytes] | None,
+        body: dict[str, Any],
+    ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """Carry out a P/D decision up to the decode leg: run the prefill leg if the request
+        is split; returns the decode leg's body and the P/D response headers."""
+        pd = decision.pd
+        assert pd is not None
+        self.metrics.pd_decisions_of("true" if pd.disaggregate else "false", pd.reason).inc()
+        data, split, reason = request.body, False, pd.reason
+        out: list[tuple[bytes, bytes]] = []
+        if pd.prefill is not None:
+            ep = pd.prefill
+            out.append((PREFILL_ENDPOINT_HEADER.encode(), ep.name.encode("latin-1")))
+            params, error = await self._prefill_leg(
+                ep, request.path, req, headers, client_auth, body
+            )
+            if params is not None:
+                data, split = _json_encode({**body, "kv_transfer_params": params}), True
+            else:
+                reason = f"prefill_failed:{error}"
+                self.metrics.pd_fallbacks_of(error).inc()
+                logger.info("prefill leg on %s failed (%s): decode alone", ep.name, error)
+        out.append((DISAGGREGATED_HEADER.encode(), b"true" if split else b"false"))
+        out.append((PD_REASON_HEADER.encode(), reason.encode("latin-1")))
+        return data, out
+
+    async def _prefill_leg(
+        self,
+        ep: Endpoint,
+        path: str,
+        req: RoutingRequest,
+        headers: list[tuple[bytes, bytes]],
+        client_auth: tuple[bytes, bytes] | None,
+        body: dict[str, Any],
+    ) -> tuple[dict[str, Any] | None, str]:
+        """The prefill leg on ``ep``: its answer's ``kv_transfer_params``, else (None, why)."""
+        leg = dict(body)
+        leg["max_tokens"] = 1
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
+        leg["stream"] = False
+        leg.pop("stream_options", None)
+        leg["kv_transfer_params"] = {"do_remote_decode": True}
+        auth = ep.auth_header or client_auth
+        disaggregator = self.scheduler.disaggregator
+        assert disaggregator is not None
+        ep.in_flight += 1
+        ep.prefill_in_flight += 1
+        t0 = time.perf_counter()
+        upstream: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout(self.config.pd.prefill_timeout_s):
+                upstream = await self.upstream.request(
+                    ep.origin,
+                    "POST",
+                    path,
+                    headers + [auth] if auth else headers,
+                    _json_encode(leg),
+                    first_byte_timeout_s=None,
+                    on_sent=lambda: disaggregator.observe(req, ep),
+                )
+                raw = await upstream.read(None)
+            status = upstream.status
+            upstream.release()
+            upstream = None
+        except TimeoutError:
+            return None, "timeout"
+        except UpstreamSaturated:
+            return None, "saturated"
+        except UpstreamConnectError as e:
+            if e.refused:
+                self.pool.mark_failed(ep, str(e))
+            else:
+                self.pool.probe_soon(ep)
+            return None, "connect"
+        except (UpstreamError, OSError):
+            self.pool.probe_soon(ep)
+            return None, "disconnect"
+        finally:
+            ep.in_flight -= 1
+            ep.prefill_in_flight -= 1
+            if upstream is not None:  # not read to the end (timeout, cancelled): abort it
+                upstream.close()
+        ep.answered_at = time.monotonic()
+        if status != 200:
+            return None, f"http_{status}"
+        try:
+            answer = _json_decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return None, "bad_json"
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            return None, "no_kv_transfer_params"
+        self.metrics.pd_prefill_of(ep.name).observe(time.perf_counter() - t0)
+        return params, ""
+
     async def _send(
         self,
         ep: Endpoint,
-        request: HttpRequest,
+        path: str,
+        body: bytes,
         headers: list[tuple[bytes, bytes]],
         last: bool,
         on_sent: Callable[[], None],
@@ -554,9 +691,9 @@ class Router:
             upstream = await self.upstream.request(
                 ep.origin,
                 "POST",
-                request.path,
+                path,
                 headers,
-                request.body,
+                body,
                 first_byte_timeout_s=self.config.first_byte_timeout_s,
                 on_sent=on_sent,
             )
@@ -581,9 +718,18 @@ class Router:
             )
         return upstream
 
-    async def _relay(self, resp: HttpResponse, upstream: UpstreamResponse, ep: Endpoint) -> None:
+    async def _relay(
+        self,
+        resp: HttpResponse,
+        upstream: UpstreamResponse,
+        ep: Endpoint,
+        pd_headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         out_headers = [(k, v) for k, v in upstream.headers if k.lower() in _KEEP_RESPONSE_HEADERS]
         out_headers.append((_ENDPOINT_HEADER_B, ep.name.encode("latin-1")))
+        if pd_headers is not None:
+            out_headers += pd_headers
+            out_headers.append((_DECODE_ENDPOINT_HEADER_B, ep.name.encode("latin-1")))
         timeout = self.config.first_byte_timeout_s
         done = False
         try:
@@ -616,6 +762,19 @@ class Router:
                 # Client gone (handler cancelled) or write failed: close the upstream
                 # connection so the engine sees the disconnect and aborts the request.
                 upstream.close()
+
+
+def _pd_skip(body: dict[str, Any]) -> str | None:
+    """Why a request must not be split, else None."""
+    if "kv_transfer_params" in body:  # the client drives P/D itself
+        return "client_kv_transfer_params"
+    for k in ("n", "best_of"):
+        if body.get(k) not in (None, 1):
+            return "n_gt_1"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and type(prompt[0]) is not int:
+        return "batch_prompt"
+    return None
 
 
 def _forwarded_headers(

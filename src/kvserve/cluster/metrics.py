@@ -71,7 +71,13 @@ class _StateCollector(Collector):
             "Times the endpoint was taken out of rotation",
             labels=["endpoint"],
         )
+        prefill_in_flight = GaugeMetricFamily(
+            "kvserve_router_endpoint_prefill_in_flight",
+            "P/D prefill legs in flight through this router",
+            labels=["endpoint"],
+        )
         for ep in list(pool.endpoints.values()):
+            prefill_in_flight.add_metric([ep.name], ep.prefill_in_flight)
             connections.add_metric([ep.name], upstream.busy(ep.origin))
             queued.add_metric([ep.name], upstream.queued(ep.origin))
             ejections.add_metric([ep.name], ep.ejections)
@@ -82,7 +88,7 @@ class _StateCollector(Collector):
             kv_usage.add_metric([ep.name], ep.kv_cache_usage_perc)
             blocks.add_metric([ep.name], index.endpoint_num_blocks(ep.name))
         yield from (healthy, in_flight, running, waiting, kv_usage, blocks)
-        yield from (connections, queued, ejections)
+        yield from (connections, queued, ejections, prefill_in_flight)
         yield GaugeMetricFamily(
             "kvserve_router_kv_index_blocks",
             "Entries (block x endpoint) in the KV index",
@@ -184,6 +190,25 @@ class RouterMetrics:
             buckets=_ROUTING_BUCKETS,
             registry=r,
         )
+        self.pd_decisions = Counter(
+            "kvserve_router_pd_decisions",
+            "P/D decisions: split (disaggregated) or not, and why",
+            ["disaggregated", "reason"],
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "kvserve_router_pd_fallbacks",
+            "Split requests whose prefill leg failed, served by the decode endpoint alone",
+            ["error"],
+            registry=r,
+        )
+        self.pd_prefill = Histogram(
+            "kvserve_router_pd_prefill_seconds",
+            "P/D prefill leg time (request sent to kv_transfer_params received)",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_StateCollector(state))
         # Cached children for the request path: requests_of(endpoint, status), ...
         self.requests_of = LabelCache(self.requests)
@@ -192,3 +217,6 @@ class RouterMetrics:
         self.decisions_of = LabelCache(self.decisions)
         self.failovers_of = LabelCache(self.failovers)
         self.rejected_of = LabelCache(self.rejected)
+        self.pd_decisions_of = LabelCache(self.pd_decisions)
+        self.pd_fallbacks_of = LabelCache(self.pd_fallbacks)
+        self.pd_prefill_of = LabelCache(self.pd_prefill)

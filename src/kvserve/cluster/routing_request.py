@@ -24,6 +24,11 @@ class RoutingRequest:
     cache_salt: str | None = None
     session_id: str | None = None
     seed: str = DEFAULT_PREFIX_HASH_SEED
+    # Why the request must not be split between a prefill and a decode endpoint (the client
+    # orchestrates P/D itself, n > 1, a batch of prompts), else None.
+    pd_skip: str | None = None
+    # Prompt tokens each scored endpoint holds, as the prefix scorers found (P/D reads it).
+    held_tokens: dict[str, int] = field(default_factory=dict, repr=False)
     _keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _text_keys: dict[int, list[int]] = field(default_factory=dict, repr=False)
 

@@ -68,6 +68,7 @@ class PrecisePrefixScorer:
             return [0.0] * len(endpoints)
         found = self.index.match_endpoints([e.name for e in endpoints], req.block_keys)
         spec = self.speculative
+        held = req.held_tokens
         out = []
         for e in endpoints:
             n, weighted, total = found[e.name]
@@ -77,8 +78,23 @@ class PrecisePrefixScorer:
                 if extra > 0:  # on its way into the primary pool: full weight
                     weighted += extra
                     total = len(keys)
+                    n += extra
+            tokens = n * self._block_size(e) if n else 0
+            if tokens >= held.get(e.name, 0):
+                held[e.name] = tokens
             out.append(clamp01(weighted / total) if total else 0.0)
         return out
+
+    def held_tokens(self, req: RoutingRequest, endpoint: Endpoint) -> int:
+        """Prompt tokens ``endpoint`` holds (index and speculative entries), unweighted."""
+        if req.token_ids is None:
+            return 0
+        bs = self._block_size(endpoint)
+        keys = req.block_keys(bs)
+        n = self.index.match(endpoint.name, keys)[0]
+        if self.speculative is not None and endpoint.has_kv_events:
+            n = max(n, self.speculative.match(endpoint.name, keys))
+        return n * bs
 
     def observe(self, req: RoutingRequest, endpoint: Endpoint) -> None:
         if self.speculative is not None and endpoint.has_kv_events and req.token_ids is not None:
@@ -105,10 +121,25 @@ class ApproxPrefixScorer:
         if not keys:
             return [0.0] * len(endpoints)
         n = len(keys)
-        return [
-            clamp01(self.history.match(e.name, keys) / n) if self._applies(e) else 0.0
-            for e in endpoints
-        ]
+        held = req.held_tokens
+        out = []
+        for e in endpoints:
+            if not self._applies(e):
+                out.append(0.0)
+                continue
+            m = self.history.match(e.name, keys)
+            if m * self.block_size >= held.get(e.name, 0):
+                held[e.name] = m * self.block_size
+            out.append(clamp01(m / n))
+        return out
+
+    def held_tokens(self, req: RoutingRequest, endpoint: Endpoint) -> int:
+        """Prompt tokens the history says ``endpoint`` holds (text: ~a block per chunk)."""
+        if not self._applies(endpoint):
+            return 0
+        return self.history.match(endpoint.name, req.history_keys(self.block_size)) * (
+            self.block_size
+        )
 
     def observe(self, req: RoutingRequest, endpoint: Endpoint) -> None:
         if self._applies(endpoint):
