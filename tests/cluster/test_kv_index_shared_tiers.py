@@ -63,3 +63,10 @@ def test_private_storage_tier_is_not_shared() -> None:
     got = idx.match_endpoints(["a", "b"], lambda bs: keys(tokens))
     assert got["a"][0] == 2 and abs(got["a"][1] - 2 * DEFAULT_TIER_WEIGHTS["DISK"]) < 1e-9
     assert got["b"][0] == 0
+
+
+def test_endpoint_flag_names_shared_tiers() -> None:
+    from kvserve.cluster.cli import parse_endpoint_flag
+
+    spec = parse_endpoint_flag("http://127.0.0.1:8000,tier=fs:/mnt/kv,tier=redis://h:6379/0")
+    assert spec.shared_tiers == ["fs:/mnt/kv", "redis://h:6379/0"]

@@ -25,6 +25,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from kvserve.cluster.config import (
     ConfigError,
@@ -44,6 +45,7 @@ _ENDPOINT_KEYS = {
     "api_key": "api_key",
     "curve_server_key": "kv_events_curve_server_key",
     "role": "role",
+    "tier": "shared_tiers",  # repeatable
 }
 API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' keys
 UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
@@ -51,16 +53,19 @@ UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
 
 def parse_endpoint_flag(text: str) -> EndpointSpec:
     """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T][,api_key=K]``
-    ``[,curve_server_key=FILE][,role=prefill|decode|both]``."""
+    ``[,curve_server_key=FILE][,role=prefill|decode|both][,tier=ID]...``."""
     url, *opts = [p.strip() for p in text.split(",")]
-    kwargs: dict[str, str] = {}
+    kwargs: dict[str, Any] = {}
     for opt in opts:
         key, sep, value = opt.partition("=")
         if not sep or key not in _ENDPOINT_KEYS:
             raise ConfigError(
                 f"--endpoint {text!r}: bad option {opt!r} (known: {', '.join(_ENDPOINT_KEYS)})"
             )
-        kwargs[_ENDPOINT_KEYS[key]] = value
+        if key == "tier":
+            kwargs.setdefault("shared_tiers", []).append(value)
+        else:
+            kwargs[_ENDPOINT_KEYS[key]] = value
     return EndpointSpec(url=url, **kwargs)
 
 

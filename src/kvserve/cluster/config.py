@@ -105,6 +105,10 @@ class EndpointSpec:
     # P/D: prefill (prefill legs only), decode (whole requests and decode legs) or both.
     # vLLM's kv_producer / kv_consumer / kv_both (and producer / consumer) are accepted.
     role: str = ROLE_BOTH
+    # Shared storage tiers the endpoint loads from, by the tier id its engine publishes in
+    # KV events and /metrics (``fs:/mnt/kv``, ``redis://10.0.0.7:6379/0``): blocks there count
+    # for it from the start (events teach it too, once the engine wrote to the tier).
+    shared_tiers: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")

@@ -235,6 +235,8 @@ class Router:
     # ------------------------------------------------------------------ lifecycle
 
     def _endpoint_added(self, ep: Endpoint) -> None:
+        for tier in ep.spec.shared_tiers:
+            self.index.add_tier_member(ep.name, tier)
         if ep.spec.kv_events:
             self.subscriber.add_endpoint(
                 ep.name,
