@@ -1,14 +1,16 @@
 """The README demo: KV-aware routing + KV offloading vs round robin without, on real engines.
 
 Creates the tiny model if missing, starts a local cluster (router + 2 engines, small primary
-KV pools so the chat history outgrows them), replays one seeded multi-turn chat workload
-twice and prints the comparison (TTFT, throughput, prompt tokens served from cache).
+KV pools so the chat history outgrows them; in the KV-aware phase a host tier per engine and
+one file-system tier both engines share), replays one seeded multi-turn chat workload twice
+and prints the comparison (TTFT, throughput, prompt tokens served from cache).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from kvserve.bench.machine import describe_machine
 from kvserve.bench.report import Run, markdown_table, write_report
 from kvserve.bench.workloads import multi_turn_workload
 
-KV_AWARE = "kv-aware + offload"
+KV_AWARE = "kv-aware + offload + shared tier"
 BASELINE = "round robin, no offload"
 
 
@@ -32,15 +34,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="sessions in flight")
     p.add_argument("--num-kv-blocks", type=int, default=128, help="primary pool per engine")
     p.add_argument("--offload-gib", type=float, default=0.25, help="host KV tier per engine")
+    p.add_argument(
+        "--shared-tier-gib", type=float, default=1.0,
+        help="a file-system KV tier shared by the engines, under --out (0: none)",
+    )  # fmt: skip
     p.add_argument("--out", default="demo-results", help="where the report and plot go")
     p.add_argument("--seed", type=int, default=0)
 
 
 def _phase(args, model_dir: Path, label: str, offload: bool, router_args: list[str]) -> Run:
+    tiers: list[str] = []
+    if offload and args.shared_tier_gib > 0:
+        shared = Path(args.out).resolve() / "shared-kv"
+        shutil.rmtree(shared, ignore_errors=True)  # every run starts cold
+        tiers.append(f"fs:path={shared},size={args.shared_tier_gib}")
     spec = ClusterSpec(
         model_dir=str(model_dir),
         num_engines=args.engines,
         offload_gib=args.offload_gib if offload else 0.0,
+        kv_tiers=tiers,
         engine_args=[
             *("--num-kv-blocks", str(args.num_kv_blocks), "--max-num-seqs", "16"),
             # Engines share this machine's cores: oversubscribed torch threads thrash.

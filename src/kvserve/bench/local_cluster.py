@@ -37,6 +37,7 @@ class ClusterSpec:
     num_engines: int = 2
     engine_args: list[str] = field(default_factory=list)  # extra `kvserve serve` flags
     offload_gib: float = 0.0  # host-memory KV tier per engine (0: off)
+    kv_tiers: list[str] = field(default_factory=list)  # storage tiers below it (--kv-tier)
     router_args: list[str] = field(default_factory=list)  # e.g. ["--picker", "round_robin"]
     served_model_name: str = "tiny"
     log_dir: str | None = None  # engine/router logs (default: a temporary directory)
@@ -125,6 +126,7 @@ class LocalCluster:
                     "--kv-events-endpoint", f"tcp://127.0.0.1:{ev_port}",
                     "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
                     *(["--kv-offload-size", str(spec.offload_gib)] if spec.offload_gib else []),
+                    *[a for t in spec.kv_tiers for a in ("--kv-tier", t)],
                     *spec.engine_args,
                 ]  # fmt: skip
                 url = f"http://127.0.0.1:{port}"
