@@ -37,6 +37,8 @@ _LATENCY_FIELDS = (
     "decode_per_ctx",
     "cpu_bandwidth",
     "transfer_latency",
+    "net_bandwidth",
+    "net_latency",
     *_INT_FIELDS,
 )
 
@@ -73,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="publish KV events: instance i on this + 2i, replay on this + 2i + 1 (0: free)",
     )
     g.add_argument("--no-kv-events-replay", action="store_true", help="no replay sockets")
+    g.add_argument(
+        "--num-prefill-instances",
+        type=int,
+        default=0,
+        help="P/D: the first N instances prefill (kv_role producer), the others decode "
+        "(consumer); KV pulls take net_latency + bytes / net_bandwidth (default 0: no roles)",
+    )
     g.add_argument(
         "--write-endpoints",
         metavar="FILE",
@@ -141,6 +150,7 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
             base_port=base_port,
             kv_events_base_port=args.kv_events_base_port,
             replay=not args.no_kv_events_replay,
+            num_prefill=args.num_prefill_instances,
         ),
     )
     router = None

@@ -41,9 +41,15 @@ class SimEngineConfig(EngineConfig):
     def __post_init__(self) -> None:
         if isinstance(self.sim_latency, str):
             self.sim_latency = get_preset(self.sim_latency)
-        if self.kv_offload_size and self.kv_connector in (None, "offload"):
-            self.kv_connector = "sim-offload"  # the real tier needs real KV tensors
+        # The real tier and the real P/D transport need real KV tensors: modelled ones.
+        pd = bool(self.kv_role or self.kv_transfer_config) or self.kv_connector in ("pd", "sim-pd")
+        if self.kv_connector == "sim-pd" or (pd and self.kv_connector == "sim-offload"):
+            self.kv_connector = None if self.kv_role else "pd"
+        if not pd and self.kv_offload_size and self.kv_connector in (None, "offload"):
+            self.kv_connector = "sim-offload"
         super().__post_init__()
+        if self.kv_connector == "pd":
+            self.kv_connector = "sim-pd"  # chained with "sim-offload" when there is a tier
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +100,7 @@ def special_token_ids(model_dir: str | Path) -> frozenset[int]:
 def build_sim_engine(config: SimEngineConfig):
     """``LLMEngine(config, runner=SimModelRunner(...))``; the pool defaults to the preset's."""
     from kvserve.engine.engine import LLMEngine
-    from kvserve.sim import offload  # noqa: F401 - registers the "sim-offload" connector
+    from kvserve.sim import offload, pd  # noqa: F401 - register "sim-offload", "sim-pd"
 
     latency = config.sim_latency
     assert isinstance(latency, LatencyModel)
@@ -169,6 +175,11 @@ class InstanceSpec:
     port: int = 0  # 0: a free port
     kv_events_endpoint: str | None = None  # e.g. tcp://*:5557 ("tcp://127.0.0.1:*": free)
     kv_events_replay_endpoint: str | None = None
+    kv_role: str | None = None  # P/D: producer (prefill) | consumer (decode) | both
+
+
+# A P/D role as the router's endpoint role.
+_ROUTER_ROLES = {"producer": "prefill", "consumer": "decode", "both": "both"}
 
 
 class SimInstance:
@@ -185,11 +196,16 @@ class SimInstance:
         self.server_config = server_config
         self.sock = bind_socket(server_config.host, spec.port)
         self.port: int = self.sock.getsockname()[1]
+        pd: dict = {}
+        if spec.kv_role:
+            pd = {"kv_role": spec.kv_role, "kv_engine_id": engine_config.kv_engine_id or spec.name}
         cfg = dataclasses.replace(
             engine_config,
             kv_events_endpoint=spec.kv_events_endpoint,
             kv_events_replay_endpoint=spec.kv_events_replay_endpoint,
+            **pd,
         )
+        self.kv_role = cfg.kv_role
         self.engine = build_sim_engine(cfg)
         self.runner: SimModelRunner = self.engine.runner  # type: ignore[assignment]
         # Requests the engine accepted (the oracle router tells routed-but-not-arrived ones).
@@ -261,6 +277,8 @@ class SimInstance:
             entry["kv_events"] = self.kv_events
         if self.kv_events_replay:
             entry["kv_events_replay"] = self.kv_events_replay
+        if self.kv_role:
+            entry["role"] = _ROUTER_ROLES[self.kv_role]
         return entry
 
     async def serve(self) -> None:
@@ -304,10 +322,14 @@ class SimCluster:
         kv_events_base_port: int | None = None,
         kv_events_host: str = "127.0.0.1",
         replay: bool = True,
+        num_prefill: int = 0,
     ) -> SimCluster:
         """Instance ``i`` listens on ``base_port + i`` (free ports when 0) and publishes KV
         events on ``kv_events_base_port + 2i`` (replay on ``+ 2i + 1``; free ports when 0;
-        no events when None)."""
+        no events when None). ``num_prefill`` > 0: P/D, the first ``num_prefill`` instances
+        are prefill instances (``kv_role`` producer), the others decode instances (consumer)."""
+        if not 0 <= num_prefill < num_instances and num_prefill:
+            raise ValueError("num_prefill must leave at least one decode instance")
         cluster = cls()
         try:
             for i in range(num_instances):
@@ -327,6 +349,11 @@ class SimCluster:
                     port=base_port + i if base_port else 0,
                     kv_events_endpoint=ev,
                     kv_events_replay_endpoint=rp if replay else None,
+                    kv_role=None
+                    if not num_prefill
+                    else "producer"
+                    if i < num_prefill
+                    else "consumer",
                 )
                 cluster.instances.append(SimInstance(spec, engine_config, server_config))
         except BaseException:

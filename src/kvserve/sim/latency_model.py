@@ -14,7 +14,9 @@ One step computes a batch of prefill chunks and decodes (``SchedulerOutput``). I
 ``fixed`` is the per-step cost independent of the batch (reading the weights once, kernel
 launches, scheduling); the prefill terms are the GEMMs (linear in tokens) and attention
 (tokens x context); the decode terms are per-sequence compute and reading each sequence's KV.
-A KV transfer between tiers takes ``latency + bytes / bandwidth``.
+A KV transfer between tiers takes ``latency + bytes / bandwidth``; one between instances
+(P/D: a decode instance pulling a prefill instance's blocks) ``net_latency + bytes /
+net_bandwidth``.
 
 Presets (every default carries its source below):
 
@@ -65,6 +67,8 @@ class LatencyModel:
     kv_bytes_per_token: int = 0  # KV of one token, all layers, K and V (bytes)
     cpu_bandwidth: float = 0.0  # bytes/s between the primary pool and host memory (0: instant)
     transfer_latency: float = 0.0  # s per transfer job (submission, synchronization)
+    net_bandwidth: float = 0.0  # bytes/s of one instance's network link, each way (0: instant)
+    net_latency: float = 0.0  # s per pull between instances (handshake, notification)
     # Shape of the modelled model, for the engine (context limit) and sizing the pool.
     max_model_len: int = 131072
     default_kv_tokens: int = 0  # primary-pool capacity in tokens of one instance (0: unset)
@@ -100,6 +104,13 @@ class LatencyModel:
         bw = self.cpu_bandwidth
         return self.transfer_latency + (nbytes / bw if bw > 0 else 0.0)
 
+    def net_transfer_time(self, nbytes: int) -> float:
+        """Seconds to pull ``nbytes`` of KV from another instance (P/D)."""
+        if nbytes <= 0:
+            return 0.0
+        bw = self.net_bandwidth
+        return self.net_latency + (nbytes / bw if bw > 0 else 0.0)
+
     def replace(self, **changes: float) -> LatencyModel:
         return dataclasses.replace(self, **changes)
 
@@ -130,6 +141,9 @@ class LatencyModel:
 #   published for moderate batches (Azure ND-H100-v5 vLLM Llama 3.1 8B blog, Aug 2025).
 # - cpu_bandwidth = 50 GB/s one way over PCIe 5.0 (anchors.md: vLLM's offloading connector
 #   measured ~50 GB/s; PCIe 5.0 x16 is 64 GB/s raw); transfer_latency 20 us per job.
+# - net_bandwidth = 50 GB/s: one 400 Gb/s RDMA NIC per GPU (ConnectX-7, the usual H100 node:
+#   8 GPUs, 8 NICs), line rate; net_latency = 1 ms per pull: the decode leg's admission, the
+#   transfer's handshake and completion notice (NIXL-style), not the bytes.
 # - default_kv_tokens = 430k: (80 GB x 0.9 - 16 GB weights - ~2 GB activations) / 128 KiB
 #   per token, the "GPU KV cache size" vLLM logs for this model on an 80 GB card.
 H100_LLAMA8B = LatencyModel(
@@ -142,6 +156,8 @@ H100_LLAMA8B = LatencyModel(
     kv_bytes_per_token=131072,
     cpu_bandwidth=50 * GB,
     transfer_latency=20e-6,
+    net_bandwidth=50 * GB,
+    net_latency=1e-3,
     max_model_len=131072,
     default_kv_tokens=430_000,
     source="roofline of H100 SXM (3.35 TB/s, 989 TFLOP/s bf16) for Llama-3.1-8B, "
@@ -156,7 +172,8 @@ H100_LLAMA8B = LatencyModel(
 # the machine was shared; mean fit error 9.6%, max 30%). KV per token: 4 layers x 2 x 2 heads
 # x 64 x 4 bytes = 4 KiB. "Transfers" on a CPU engine are block copies within RAM: 6.0 GB/s
 # measured by the same script with the offload connector's ``copy_blocks`` on one thread
-# (5.7-6.4 with streaming stores; it was 4.3 with numpy's memcpy).
+# (5.7-6.4 with streaming stores; it was 4.3 with numpy's memcpy). Between instances
+# (P/D over loopback TCP): 2 GB/s and 1 ms per pull, an order of magnitude, not a fit.
 CPU_TINY = LatencyModel(
     name="cpu-tiny",
     fixed=10.8e-3,
@@ -167,6 +184,8 @@ CPU_TINY = LatencyModel(
     kv_bytes_per_token=4096,
     cpu_bandwidth=6.0 * GB,
     transfer_latency=50e-6,
+    net_bandwidth=2.0 * GB,
+    net_latency=1e-3,
     max_model_len=2048,
     default_kv_tokens=262_144,
     source="fitted to the real engine (tiny preset, CPU, 1 thread) by kvserve.sim.calibrate",
