@@ -17,6 +17,9 @@ from kvserve.server.tokenizer_pool import INLINE_CHARS, INLINE_MESSAGES
 from .conftest import ServeProcess, start_serve_process
 
 TEXT = "The history of the world is long, and the quick brown fox jumps over all of it. "
+# ~11.6 characters per token with the tiny vocabulary: too sparse in tokens to be refused from
+# its prefix (tokenizer_worker.PREFIX_FACTOR), so the whole text is tokenized.
+SPARSE = " mathematician grandmother wavelengths experiments clockmaker carefully Wednesday"
 
 
 def _rss(pid: int) -> int:
@@ -47,7 +50,7 @@ def _tree_rss(pid: int) -> int:
 
 @pytest.fixture(scope="module")
 def long_server(long_model_dir: Path):
-    proc = start_serve_process(long_model_dir, "--num-kv-blocks", "64")
+    proc = start_serve_process(long_model_dir, "--num-kv-blocks", "256")
     try:
         yield proc
     finally:
@@ -56,16 +59,20 @@ def long_server(long_model_dir: Path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads RSS from /proc")
 def test_large_prompt_does_not_stall_other_clients(long_server: ServeProcess):
-    """A 7 MB prompt (65,536-token context, so it passes the character bound) is tokenized for
-    seconds; meanwhile /health and another client's completion are answered promptly (before:
-    the event loop was frozen for the whole encode), and memory comes back afterwards."""
+    """A 7 MB prompt (65,536-token context, so it passes the character bound; sparse in
+    tokens, so it is tokenized whole) takes seconds to tokenize; meanwhile /health and another
+    client's completion are answered promptly (before: the event loop was frozen for the whole
+    encode), and memory comes back afterwards."""
     url = long_server.url
     with httpx.Client(base_url=url, timeout=120) as http:
-        # Warm up: the worker starts on the first prompt over the inline size.
-        warm = http.post("/v1/completions", json={"prompt": TEXT * 100, "max_tokens": 1})
-        assert warm.status_code == 200, warm.text
+        # Warm up prefill and decode (the first steps allocate); the worker starts on the
+        # first prompt over the inline size.
+        for prompt in (TEXT * 60, "Hi there", "Hello"):
+            body = {"prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+            warm = http.post("/v1/completions", json=body)
+            assert warm.status_code == 200 and warm.json()["usage"]["completion_tokens"] == 8
         before = _tree_rss(long_server.pid)
-        big = (TEXT * (7_000_000 // len(TEXT) + 1))[:7_000_000]
+        big = (SPARSE * (7_000_000 // len(SPARSE) + 1))[:7_000_000]
         result: dict[str, object] = {}
 
         def send_big() -> None:
@@ -98,6 +105,10 @@ def test_large_prompt_does_not_stall_other_clients(long_server: ServeProcess):
         # Generous bounds for a loaded 2-core machine; a frozen loop takes seconds.
         assert max(health) < 1.0, sorted(health)[-5:]
         assert max(others) < 3.0, others
+        # Prose of the same size is refused from its first 16 x 65,536 characters.
+        prose = (TEXT * (7_000_000 // len(TEXT) + 1))[:7_000_000]
+        resp = http.post("/v1/completions", json={"prompt": prose, "max_tokens": 1})
+        assert "the first 1048576 characters of your prompt alone are" in resp.text, resp.text
         # Memory: back within 10% once the worker trimmed its heap.
         deadline = time.monotonic() + 20
         while (after := _tree_rss(long_server.pid)) > 1.1 * before:

@@ -67,22 +67,32 @@ def test_hopelessly_long_text_is_refused_without_tokenizing(served):
     tok = served.engine.tokenizer
     bound = max_prompt_chars(tok, MAX_MODEL_LEN)
     assert bound == MAX_MODEL_LEN * longest_token_chars(tok) * 4
-    # The bound is conservative: the longest tokens, one after another, fit under it.
-    longest = max(tok.convert_ids_to_tokens(range(tok.vocab_size)), key=len)
-    assert len(longest) * (MAX_MODEL_LEN - 1) < bound
     with served.http() as http:
+        # Over the character bound: refused by its length alone.
         for prompt in ("x" * (bound + 1), ["hi", "y" * (bound + 1)]):
             resp = _post(http, "/v1/completions", {"prompt": prompt})
             err = _error(resp, 400, "prompt", "context_length_exceeded")
-            assert "characters" in err["message"], err  # refused by length, not by tokens
+            assert f"can have ({bound})" in err["message"], err
         chat = {"messages": [{"role": "user", "content": "z" * (bound + 1)}]}
         resp = _post(http, "/v1/chat/completions", chat)
         err = _error(resp, 400, "messages", "context_length_exceeded")
-        assert "characters" in err["message"]
-        # Under the bound but over the context: tokenized, refused by its token count.
+        assert f"can have ({bound})" in err["message"], err
+        # Under it but far over the context: refused from a prefix (16 x 256 characters).
         resp = _post(http, "/v1/completions", {"prompt": "word " * 2000})
         err = _error(resp, 400, "prompt", "context_length_exceeded")
-        assert "tokens" in err["message"] and "characters" not in err["message"]
+        assert "the first 4096 characters of your prompt alone are" in err["message"], err
+        resp = _post(
+            http,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 2000}]},
+        )
+        err = _error(resp, 400, "messages", "context_length_exceeded")
+        assert "alone are" in err["message"], err
+        # A little over the context: tokenized whole, refused by its exact count.
+        resp = _post(http, "/v1/completions", {"prompt": "word " * 600})
+        err = _error(resp, 400, "prompt", "context_length_exceeded")
+        n = len(tok.encode("word " * 600))
+        assert f"your prompt has {n} tokens" in err["message"], err
     served.wait_idle()
 
 

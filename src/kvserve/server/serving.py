@@ -239,6 +239,13 @@ class OpenAIServing:
             raise context_length_exceeded(
                 self.max_model_len, f"your prompt has {value} tokens", param
             )
+        if status == jobs.TOO_LONG_PREFIX:
+            n, k = value
+            raise context_length_exceeded(
+                self.max_model_len,
+                f"the first {k} characters of your prompt alone are {n} tokens",
+                param,
+            )
         if status == jobs.TOO_LONG_CHARS:
             raise context_length_exceeded(
                 self.max_model_len,

@@ -28,11 +28,21 @@ import msgspec
 
 _LEN = struct.Struct("<I")
 # After a job over this many characters, return freed heap memory to the OS (malloc_trim).
-TRIM_AFTER_CHARS = 1 << 20
+TRIM_AFTER_CHARS = 1 << 18
+# A text over 2 x PREFIX_FACTOR x limit characters is first judged by prefixes of
+# PREFIX_FACTOR x limit characters, then 4x, 16x, ... (shorter than the text): if one alone is
+# 2 x limit tokens or more, the whole is refused without tokenizing the rest. Cutting a text
+# changes its tokenization only around the cut (a token never spans far across it), so a
+# prefix with twice the context's tokens proves the whole cannot fit. Prose (~4 characters per
+# token) is refused from the first prefix. A text tokenized whole has fewer than 2 x limit
+# tokens in its first quarter, so the tokenizer's memory (it grows with tokens, ~1 KB each in
+# the HF library's encodings) is bounded by the context rather than by the body size.
+PREFIX_FACTOR = 16
 
 # Job results: (status, value).
 OK = "ok"  # value: token ids
 TOO_LONG = "too_long"  # value: the prompt's length in tokens (>= limit)
+TOO_LONG_PREFIX = "too_long_prefix"  # value: [tokens, characters] of a prefix (>= 2 x limit)
 TOO_LONG_CHARS = "too_long_chars"  # value: the text's length in characters (> max_chars)
 ERROR = "error"  # value: message (the chat template failed)
 
@@ -48,8 +58,10 @@ def encode_chat(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None = None,
     max_chars: int | None = None,
+    limit: int | None = None,
 ) -> tuple[str, Any]:
-    """``tokenizer.encode_chat`` with template kwargs and a bound on the rendered text."""
+    """``tokenizer.encode_chat`` with template kwargs and bounds on the rendered text (in
+    characters) and the prompt (in tokens: see :func:`encode_bounded`)."""
     from kvserve.model.tokenizer import chat_message_text
 
     msgs = []
@@ -66,7 +78,26 @@ def encode_chat(
         return TOO_LONG_CHARS, len(text)
     # The same BOS rule as Tokenizer.encode_chat: a template that renders BOS gets no second.
     bos = tokenizer.bos_token
-    return OK, tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+    return encode_bounded(tokenizer, text, limit, not (bos and text.startswith(bos)))
+
+
+def encode_bounded(
+    tokenizer: Any, text: str, limit: int | None, add_special_tokens: bool = True
+) -> tuple[str, Any]:
+    """``(OK, ids)``, or ``(TOO_LONG, n)`` when ``limit`` tokens or more, or
+    ``(TOO_LONG_PREFIX, [n, k])`` when the first ``k`` characters alone are ``n`` >= 2 x limit
+    tokens (see :data:`PREFIX_FACTOR`)."""
+    if limit is not None:
+        k = PREFIX_FACTOR * limit
+        while k < len(text) and len(text) > 2 * PREFIX_FACTOR * limit:
+            n = len(tokenizer.encode(text[:k], add_special_tokens=add_special_tokens))
+            if n >= 2 * limit:
+                return TOO_LONG_PREFIX, [n, k]
+            k *= 4
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if limit is not None and len(ids) >= limit:
+        return TOO_LONG, len(ids)
+    return OK, ids
 
 
 def run_job(tokenizer: Any, op: str, args: list[Any]) -> tuple[str, Any]:
@@ -76,17 +107,13 @@ def run_job(tokenizer: Any, op: str, args: list[Any]) -> tuple[str, Any]:
         text, max_chars, limit = args
         if len(text) > max_chars:
             return TOO_LONG_CHARS, len(text)
-        status, value = OK, tokenizer.encode(text)
-    elif op == "chat":
+        return encode_bounded(tokenizer, text, limit)
+    if op == "chat":
         messages, add_generation_prompt, template_kwargs, max_chars, limit = args
-        status, value = encode_chat(
-            tokenizer, messages, add_generation_prompt, template_kwargs, max_chars
+        return encode_chat(
+            tokenizer, messages, add_generation_prompt, template_kwargs, max_chars, limit
         )
-    else:
-        return ERROR, f"unknown job {op!r}"
-    if status == OK and len(value) >= limit:
-        return TOO_LONG, len(value)
-    return status, value
+    return ERROR, f"unknown job {op!r}"
 
 
 def malloc_trim() -> None:
