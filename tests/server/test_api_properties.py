@@ -67,6 +67,11 @@ _common = {
     "logit_bias": st.dictionaries(_text, _float, max_size=2),
     "cache_salt": _text,
     "user": _text,
+    "kv_transfer_params": st.dictionaries(
+        st.sampled_from(["do_remote_prefill", "do_remote_decode", "remote_block_ids"]) | _text,
+        _json,
+        max_size=3,
+    ),
     "response_format": st.fixed_dictionaries(
         {"type": st.sampled_from(["text", "text", "json_object", "json_schema"])}
     ),
