@@ -27,6 +27,7 @@ def _idle(llm: LLM) -> None:
         ([1, 2, 10**9], SamplingParams(), "token ids"),
         ([1] * 5000, SamplingParams(), "context length"),
         ([1, 2, 3], SamplingParams(max_tokens=10**6), "exceeds"),
+        ([1] * 1020, SamplingParams(max_tokens=2), "KV cache holds at most 1008"),  # 63 blocks
     ],
 )
 def test_bad_input_is_rejected_and_leaves_nothing(llm, prompt, params, match):
@@ -70,7 +71,7 @@ def test_shared_params_are_not_mutated(llm):
     sp = SamplingParams(max_tokens=None, temperature=0)  # None: fill each request's context
     eng = llm.engine
     eng.add_request("short", [40] * 30, sp)
-    eng.add_request("long", [41] * 2000, sp)  # fails if "short" completed the shared params
+    eng.add_request("long", [41] * 900, sp)  # fails if "short" completed the shared params
     assert sp.max_tokens is None
     eng.abort_request(["short", "long"])
     eng.step()

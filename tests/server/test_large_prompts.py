@@ -150,7 +150,9 @@ def test_worker_tokenizes_like_inline(server_factory, tiny_model_dir):
 
 
 def test_no_workers_means_inline(server_factory):
-    served = server_factory(ServerConfig(tokenizer_workers=0), max_model_len=2048)
+    served = server_factory(
+        ServerConfig(tokenizer_workers=0), max_model_len=2048, num_kv_blocks=128
+    )
     with served.http() as http:
         resp = http.post("/v1/completions", json={"prompt": TEXT * 60, "max_tokens": 1})
         assert resp.status_code == 200, resp.text

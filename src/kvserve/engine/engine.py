@@ -168,6 +168,12 @@ class LLMEngine:
                 f"prompt has {n} tokens; this model's maximum context length is "
                 f"{self.max_model_len} and at least one token must be generated"
             )
+        pool_tokens = self.scheduler.max_len - 1  # the whole KV pool, less the next token
+        if n > pool_tokens:
+            raise ValueError(
+                f"prompt has {n} tokens; this server's KV cache holds at most {pool_tokens} "
+                "tokens for one request"
+            )
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - n
         elif n + params.max_tokens > self.max_model_len:
