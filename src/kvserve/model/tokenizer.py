@@ -112,12 +112,15 @@ class Tokenizer:
         """Prompt token ids of a chat request: the one rule shared by the server, the router
         and ``LLM.chat`` (so the router hashes exactly what the engine caches).
 
-        Content given as OpenAI content parts keeps its text parts, one per line. A template
-        that renders the BOS token itself does not get a second one from ``encode``.
+        Content given as OpenAI content parts keeps its text parts, one per line; the
+        ``developer`` role is rendered as ``system`` (as OpenAI treats it for models without
+        that role). A template that renders the BOS token itself does not get a second one
+        from ``encode``.
         """
         msgs = []
         for m in messages:
-            msg = {"role": m["role"], "content": chat_message_text(m.get("content"))}
+            role = "system" if m["role"] == "developer" else m["role"]
+            msg = {"role": role, "content": chat_message_text(m.get("content"))}
             if m.get("name") is not None:
                 msg["name"] = m["name"]
             msgs.append(msg)
