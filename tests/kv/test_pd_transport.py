@@ -144,16 +144,20 @@ def test_hostile_clients_do_not_hurt_the_server(pair) -> None:
     assert job.good_blocks == 2
 
 
-def test_connections_beyond_the_limit_are_refused(pair) -> None:
-    p = pair(max_connections=1)
+def test_pulls_beyond_the_limit_wait_for_a_server_thread(pair) -> None:
+    """With every serving thread busy (a silent client), a pull waits in the backlog and is
+    served once the silent client is cut (server timeout), within the consumer's timeout."""
+    p = pair(max_connections=1, timeout=1.0)
+    p.puller.timeout = 30.0
     lease = p.lease([1, 2])
     host, port = p.server.address
-    idle = socket.create_connection((host, port))  # holds the only slot
+    idle = socket.create_connection((host, port))  # takes the only serving thread
     try:
         time.sleep(0.3)
+        t0 = time.monotonic()
         job = p.pull(lease, 0, 2, [5, 6])
-        assert job.good_blocks == 0 and job.error
-        assert p.server.counts.refused_connections == 1
+        assert job.good_blocks == 2 and time.monotonic() - t0 >= 0.5
+        assert idle.recv(10) == b""  # the silent client was cut
     finally:
         idle.close()
 

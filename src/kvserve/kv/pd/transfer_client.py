@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 
-from kvserve.kv.pd.block_memory import BlockMemory, block_runs, verify_blocks
+from kvserve.kv.pd.block_memory import BlockMemory, block_runs, verify_blocks, xxh3
 from kvserve.kv.pd.transport import Puller, PullJob
 from kvserve.kv.pd.wire import (
     PROTOCOL_VERSION,
@@ -29,6 +29,7 @@ from kvserve.kv.pd.wire import (
     PullHeader,
     PullRequest,
     TransferError,
+    io_batch,
     recv_into_exact,
     recv_msg,
     send_msg,
@@ -36,7 +37,6 @@ from kvserve.kv.pd.wire import (
 
 logger = logging.getLogger(__name__)
 
-SOCKET_BUFFER_BYTES = 4 << 20
 # A pull may take its no-progress timeout plus this long per byte (a floor of 64 MiB/s).
 MIN_BYTES_PER_S = 64 << 20
 
@@ -106,7 +106,7 @@ class TcpPuller(Puller):
             job = self._jobs.get()
             if job is None:
                 return
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 # Cancelled before it started: only hand the lease back.
                 self._pull(job, release=job.cancelled)
@@ -118,6 +118,7 @@ class TcpPuller(Puller):
             if job.cancelled and job.error is None and job.good_blocks < job.num_blocks:
                 job.error = "cancelled"
             job.seconds = time.perf_counter() - t0
+            job.cpu_seconds = time.thread_time() - c0
             with self._lock:
                 self._socks.pop(job.job_id, None)
                 self._inflight -= 1
@@ -137,7 +138,6 @@ class TcpPuller(Puller):
                     release, n, end = True, 0, job.start  # hand the lease back, no more
                 self._socks[job.job_id] = sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
             send_msg(
                 sock,
                 PullRequest(PROTOCOL_VERSION, job.lease_id, self.fingerprint, b, job.start, end),
@@ -171,17 +171,12 @@ class TcpPuller(Puller):
         """Receive the first ``m`` blocks into their destinations; returns how many leading
         blocks verified."""
         mem = self.memory
+        if not mem.is_cuda:
+            runs = block_runs(job.dst_block_ids[:m])
+            views = [mem.view(first, count) for first, count, _ in runs]
+            return recv_verified(sock, views, mem.block_bytes, digests, deadline)
         b = mem.block_bytes
         good = 0
-        if not mem.is_cuda:
-            for first, count, _ in block_runs(job.dst_block_ids[:m]):
-                view = mem.view(first, count)
-                recv_into_exact(sock, view, deadline)
-                k = verify_blocks(view, b, digests, good)
-                good += k
-                if k < count:
-                    break
-            return good
         # CUDA (untested here): received into pinned host memory, verified, then copied.
         staging = mem.staging_buffer()
         host = memoryview(staging.numpy())
@@ -199,3 +194,46 @@ class TcpPuller(Puller):
                     return good
                 done += k
         return good
+
+
+def recv_verified(
+    sock: socket.socket,
+    views: list[memoryview],
+    block_bytes: int,
+    digests: list[int],
+    deadline: float,
+) -> int:
+    """Receive into ``views`` (runs of whole blocks, in order), scattering each system call
+    over several of them (:func:`io_batch`), and verify each block's digest as soon as it is
+    complete (while the sender keeps filling the socket). Returns how many leading blocks
+    verified; stops at the first that does not."""
+    b = block_bytes
+    total = sum(len(v) for v in views)
+    received = 0
+    i, off = 0, 0  # receive cursor: buffer, byte offset in it
+    good = 0  # blocks verified
+    vi, vblock = 0, 0  # verify cursor: buffer, block in it
+    while received < total:
+        if time.monotonic() > deadline:
+            raise TransferError(f"deadline passed after {received} of {total} bytes")
+        k = sock.recvmsg_into(io_batch(views, i, off))[0]
+        if k == 0:
+            raise TransferError(f"connection closed after {received} of {total} bytes")
+        received += k
+        while k:
+            rest = len(views[i]) - off
+            if k >= rest:
+                k -= rest
+                i, off = i + 1, 0
+            else:
+                off, k = off + k, 0
+        complete = received // b
+        while good < complete:
+            v = views[vi]
+            if xxh3(v[vblock * b : (vblock + 1) * b]) != digests[good]:
+                return good
+            good += 1
+            vblock += 1
+            if vblock * b == len(v):
+                vi, vblock = vi + 1, 0
+    return good

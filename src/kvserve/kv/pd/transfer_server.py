@@ -1,12 +1,13 @@
 """The producer's block server (TCP): serves leased KV blocks to decode engines.
 
-One accept thread, one thread per pull (at most ``max_connections`` at once; more are closed
-at once and the consumer recomputes), one sealing thread that digests each new lease's blocks.
-A pull names its lease and the lease's block indices it wants; the server checks the lease and
-that the consumer's model fingerprint and block size are its own, sends a header (chain hash
-and sealed xxh3-64 digest per block) and then the blocks' bytes straight from the KV pool, one
-``sendall`` per run of consecutive blocks. Whatever the outcome, the lease ends with the pull,
-and a stalled peer is cut after ``timeout`` seconds without progress.
+``max_connections`` threads each accept and serve one pull at a time (more pulls wait in the
+listen backlog, bounded by the consumer's timeout); one thread seals each new lease (digests of
+its blocks). A pull names its lease and the lease's block indices it wants; the server checks
+the lease and that the consumer's model fingerprint and block size are its own, then sends a
+header (chain hash and sealed xxh3-64 digest per block) and the blocks' bytes straight from the
+KV pool: one buffer per run of consecutive blocks, gathered into few ``sendmsg`` calls. Whatever
+the outcome, the lease ends with the pull, and a stalled peer is cut after ``timeout`` seconds
+without progress.
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from kvserve.kv.pd.wire import (
     PullHeader,
     PullRequest,
     TransferError,
+    frame,
     recv_msg,
     send_msg,
+    sendmsg_all,
 )
 
 logger = logging.getLogger(__name__)
 
-ACCEPT_POLL_S = 0.2  # how often the accept loop looks at the stop flag
-SOCKET_BUFFER_BYTES = 4 << 20
+ACCEPT_RETRY_S = 0.2  # pause after a failed accept (e.g. no file descriptor left)
 
 
 @dataclass
@@ -46,7 +48,7 @@ class ServerCounts:
     blocks_sent: int = 0
     bytes_sent: int = 0
     send_time_s: float = 0.0
-    refused_connections: int = 0  # beyond max_connections
+    cpu_time_s: float = 0.0  # CPU time of the serving threads
 
 
 def advertised_host(host: str) -> str:
@@ -82,21 +84,20 @@ class TcpBlockServer(LeaseServer):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
-        sock.settimeout(ACCEPT_POLL_S)
         self._sock = sock
         self._address = (advertised_host(host), sock.getsockname()[1])
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._to_seal: queue.SimpleQueue[Lease | None] = queue.SimpleQueue()
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="kvserve-pd-server", daemon=True
-        )
-        self._seal_thread = threading.Thread(
-            target=self._seal_loop, name="kvserve-pd-seal", daemon=True
-        )
-        self._accept_thread.start()
-        self._seal_thread.start()
+        self._threads = [
+            threading.Thread(target=self._seal_loop, name="kvserve-pd-seal", daemon=True)
+        ] + [
+            threading.Thread(target=self._accept_loop, name=f"kvserve-pd-serve-{i}", daemon=True)
+            for i in range(max_connections)
+        ]
+        for t in self._threads:
+            t.start()
         logger.info("P/D block server on %s:%d", *self._address)
 
     @property
@@ -121,36 +122,29 @@ class TcpBlockServer(LeaseServer):
 
     # -- serving ----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        """One serving thread: accept a pull, serve it, repeat (the kernel wakes one)."""
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
             except OSError:
                 if self._stop.is_set():
                     return
-                time.sleep(ACCEPT_POLL_S)  # e.g. out of file descriptors: retry later
+                time.sleep(ACCEPT_RETRY_S)  # e.g. out of file descriptors: retry later
                 continue
-            with self._conns_lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                with self._counts_lock:
-                    self.counts.refused_connections += 1
+            if self._stop.is_set():
                 conn.close()
-                continue
-            threading.Thread(
-                target=self._serve, args=(conn,), name="kvserve-pd-pull", daemon=True
-            ).start()
+                return
+            with self._conns_lock:
+                self._conns.add(conn)
+            self._serve(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         lease: Lease | None = None
         ok = False
+        c0 = time.thread_time()
         try:
             conn.settimeout(self.timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             deadline = time.monotonic() + self.timeout
             req = recv_msg(conn, PullRequest, deadline)
             lease = self.leases.take(req.lease_id)
@@ -165,17 +159,14 @@ class TcpBlockServer(LeaseServer):
                 return
             assert lease is not None and lease.digests is not None
             ids = lease.block_ids[req.start : req.end]
-            send_msg(
-                conn,
-                PullHeader(
-                    ok=True,
-                    block_bytes=self.memory.block_bytes,
-                    hashes=lease.block_hashes[req.start : req.end],
-                    digests=lease.digests[req.start : req.end],
-                ),
+            header = PullHeader(
+                ok=True,
+                block_bytes=self.memory.block_bytes,
+                hashes=lease.block_hashes[req.start : req.end],
+                digests=lease.digests[req.start : req.end],
             )
             t0 = time.perf_counter()
-            self._send_blocks(conn, ids)
+            self._send_blocks(conn, frame(header), ids)
             dt = time.perf_counter() - t0
             # The bytes left the blocks; wait (bounded) for the consumer's verdict.
             done = recv_msg(conn, PullDone, time.monotonic() + self.timeout)
@@ -204,6 +195,8 @@ class TcpBlockServer(LeaseServer):
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
+            with self._counts_lock:
+                self.counts.cpu_time_s += time.thread_time() - c0
 
     def _refusal(self, req: PullRequest, lease: Lease | None) -> str:
         if req.version != PROTOCOL_VERSION:
@@ -223,13 +216,16 @@ class TcpBlockServer(LeaseServer):
             return "lease could not be sealed"
         return ""
 
-    def _send_blocks(self, conn: socket.socket, block_ids: list[int]) -> None:
+    def _send_blocks(self, conn: socket.socket, header: bytes, block_ids: list[int]) -> None:
+        """The header, then the blocks straight from the pool: one buffer per run of
+        consecutive blocks, gathered into few system calls."""
         mem = self.memory
         if not mem.is_cuda:
-            for first, count, _ in block_runs(block_ids):
-                conn.sendall(mem.view(first, count))
+            views = [mem.view(first, count) for first, count, _ in block_runs(block_ids)]
+            sendmsg_all(conn, [memoryview(header), *views])
             return
         # CUDA (untested here): staged through pinned host memory, piece by piece.
+        conn.sendall(header)
         staging = mem.staging_buffer()
         for first, count, _ in block_runs(block_ids):
             for piece in mem.stage_out(first, count, staging):
@@ -238,11 +234,13 @@ class TcpBlockServer(LeaseServer):
     def close(self) -> None:
         self._stop.set()
         self._to_seal.put(None)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes every accept() (Linux)
         with self._conns_lock:
             conns = list(self._conns)
         for c in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-        self._accept_thread.join(5)
-        self._seal_thread.join(5)
+        for t in self._threads:
+            t.join(5)
         self._sock.close()

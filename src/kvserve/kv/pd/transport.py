@@ -39,6 +39,7 @@ class PullJob:
     error: str | None = None
     nbytes: int = 0  # bytes received into verified blocks
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # CPU time of the thread that ran it
     cancelled: bool = False
 
     @property

@@ -14,6 +14,7 @@ A message is a 4-byte big-endian length and a msgpack body. A pull of no blocks
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -23,6 +24,11 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 16 << 20  # a header of 100k blocks is ~5 MB
+
+# Buffers per sendmsg / recvmsg_into call (the kernel's limit, at most 1024).
+IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 16
+
+IO_BATCH_BYTES = 4 << 20
 
 _LEN = struct.Struct(">I")
 T = TypeVar("T", bound=msgspec.Struct)
@@ -59,9 +65,43 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders = {t: msgspec.msgpack.Decoder(t) for t in (PullRequest, PullHeader, PullDone)}
 
 
-def send_msg(sock: socket.socket, msg: msgspec.Struct) -> None:
+def io_batch(views: list[memoryview], i: int, off: int) -> list[memoryview]:
+    """The buffers of one system call from ``views[i]`` (byte ``off`` on): about
+    :data:`IO_BATCH_BYTES` of them (a call moves at most what the socket buffer holds, and each
+    buffer passed costs a lookup per call), at most :data:`IOV_MAX`."""
+    batch = [views[i][off:] if off else views[i]]
+    size = len(batch[0])
+    j, end = i + 1, min(len(views), i + IOV_MAX)
+    while j < end and size < IO_BATCH_BYTES:
+        batch.append(views[j])
+        size += len(views[j])
+        j += 1
+    return batch
+
+
+def frame(msg: msgspec.Struct) -> bytes:
     body = _encoder.encode(msg)
-    sock.sendall(_LEN.pack(len(body)) + body)
+    return _LEN.pack(len(body)) + body
+
+
+def send_msg(sock: socket.socket, msg: msgspec.Struct) -> None:
+    sock.sendall(frame(msg))
+
+
+def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every buffer, in order, gathering up to :data:`IOV_MAX` of them per system call
+    (runs of blocks scattered in the pool leave in few calls)."""
+    i, off, n = 0, 0, len(views)
+    while i < n:
+        batch = io_batch(views, i, off)
+        sent = sock.sendmsg(batch)
+        while sent and i < n:
+            rest = len(views[i]) - off
+            if sent >= rest:
+                sent -= rest
+                i, off = i + 1, 0
+            else:
+                off, sent = off + sent, 0
 
 
 def recv_msg(sock: socket.socket, kind: type[T], deadline: float) -> T:
