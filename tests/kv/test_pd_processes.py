@@ -116,8 +116,22 @@ def wait_baseline(url: str, timeout: float = 60.0) -> dict[str, float]:
         time.sleep(0.1)
 
 
-def prefill_leg(url: str, body: dict, path: str = "/v1/completions") -> dict:
-    leg = dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+# What vLLM's disaggregated-serving example proxy sends on the prefill leg.
+VLLM_PROXY_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_leg(
+    url: str, body: dict, path: str = "/v1/completions", ktp: dict | None = None
+) -> dict:
+    ktp = ktp or {"do_remote_decode": True}
+    leg = dict(body, max_tokens=1, stream=False, kv_transfer_params=ktp)
     r = httpx.post(url + path, json=leg, timeout=HTTP_TIMEOUT)
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
@@ -157,7 +171,7 @@ def test_prefill_then_decode_over_http(producer, consumer, reference) -> None:
     prompts = [rand_prompt(rng, n) for n in (40, 200, 600)]
     for i, prompt in enumerate(prompts):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-        params = prefill_leg(producer.url, body)
+        params = prefill_leg(producer.url, body, ktp=VLLM_PROXY_PREFILL if i == 2 else None)
         assert len(params["remote_block_ids"]) == len(prompt) // 16
         want = reference_text(reference, prompt, 24)
         if i == 1:  # the decode leg streams the answer

@@ -37,6 +37,7 @@ from kvserve.kv.pd.wire import (
 
 logger = logging.getLogger(__name__)
 
+RELEASE_TIMEOUT_S = 1.0
 # A pull may take its no-progress timeout plus this long per byte (a floor of 64 MiB/s).
 MIN_BYTES_PER_S = 64 << 20
 
@@ -131,7 +132,10 @@ class TcpPuller(Puller):
         n = 0 if release else job.num_blocks
         end = job.start + n
         deadline = time.monotonic() + self.timeout + n * b / MIN_BYTES_PER_S
-        sock = socket.create_connection((job.host, job.port), timeout=self.timeout)
+        # Handing a lease back is a courtesy (it expires anyway): it never holds a pull thread
+        # long behind an unreachable producer.
+        timeout = min(self.timeout, RELEASE_TIMEOUT_S) if job.release_only else self.timeout
+        sock = socket.create_connection((job.host, job.port), timeout=timeout)
         try:
             with self._lock:
                 if job.cancelled and not release:
