@@ -125,13 +125,13 @@ def test_prefix_encoder_is_exact_and_stops_at_the_cap(tiny_model_dir) -> None:
     text = _words_text(200_000, seed=1) + "end\tof\n\n text  "
     whole = tok.encode(text)
     enc = PrefixEncoder(tok, 10**9, chunk_chars=1000)
-    assert enc.encode(text) == whole and not enc.truncated  # chunk by chunk, same tokens
+    assert list(enc.encode(text)) == whole and not enc.truncated  # chunk by chunk, same tokens
     enc = PrefixEncoder(tok, 3000, chunk_chars=1000)
-    assert enc.encode(text) == whole[:3000] and enc.truncated  # and no more than needed
+    assert list(enc.encode(text)) == whole[:3000] and enc.truncated  # and no more than needed
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
     full_chat = tok.encode_chat(msgs)
-    assert chat_prompt_ids(tok, msgs, True, 10**9) == full_chat
-    assert chat_prompt_ids(tok, msgs, True, 2000) == full_chat[:2000]
+    assert list(chat_prompt_ids(tok, msgs, True, 10**9)) == full_chat
+    assert list(chat_prompt_ids(tok, msgs, True, 2000)) == full_chat[:2000]
     # A text without a single space still tokenizes (cut where the chunk ends).
     assert len(PrefixEncoder(tok, 500, chunk_chars=1000).encode("x" * 50_000)) == 500
 

@@ -288,6 +288,7 @@ class _Connection(asyncio.Protocol):
             body=b"".join(self._body) if len(self._body) != 1 else self._body[0],
             keep_alive=self.parser.should_keep_alive(),
         )
+        self._body = []  # the request owns it now (a connection outlives its requests)
         self._queue.append(req)
         if self._task is None:
             self._next()

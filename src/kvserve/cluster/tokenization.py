@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -117,7 +117,11 @@ class TokenizerWorkers:
 class PrefixEncoder:
     """``encode`` of a tokenizer that stops after ``max_tokens`` tokens, a chunk at a time
     (see the module doc for what is exact). Everything else is the tokenizer's own, so
-    ``Tokenizer.encode_chat`` run on it applies the one chat rule shared with the server."""
+    ``Tokenizer.encode_chat`` run on it applies the one chat rule shared with the server.
+
+    A text encoded in chunks comes back as a uint32 ``array``, filled a chunk at a time: its
+    ids never exist as 100k+ Python ints at once (4 MiB of small objects, whose allocator
+    arenas other objects made in the meantime keep from being returned to the OS)."""
 
     _splits: dict[int, tuple[bool, list[int], list[int]]] = {}  # id(tok) -> probe results
     _splits_lock = threading.Lock()
@@ -131,7 +135,7 @@ class PrefixEncoder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> Sequence[int]:
         tok = self._tok
         if len(text) <= self.chunk_chars:
             ids = tok.encode(text, add_special_tokens=add_special_tokens)
@@ -140,12 +144,12 @@ class PrefixEncoder:
                 return ids[: self.max_tokens]
             return ids
         clean, prefix, suffix = self._probe(tok)
-        ids = list(prefix) if add_special_tokens else []
+        ids = array("I", prefix if add_special_tokens else [])
         pos, n = 0, len(text)
         if clean:
             while pos < n and len(ids) < self.max_tokens:
                 end = _cut(text, pos, self.chunk_chars)
-                ids += tok.encode(text[pos:end], add_special_tokens=False)
+                ids.extend(tok.encode(text[pos:end], add_special_tokens=False))
                 pos = end
         else:  # one growing prefix, doubling until it holds enough tokens
             size = self.chunk_chars
@@ -161,7 +165,7 @@ class PrefixEncoder:
             self.truncated = True
             return ids[: self.max_tokens]
         if add_special_tokens and clean:
-            ids += suffix
+            ids.extend(suffix)
         return ids
 
     @classmethod
@@ -219,7 +223,7 @@ def _token_array(x: Any) -> array | None:
 
 def chat_prompt_ids(
     tok: Any, messages: list[Any], add_generation_prompt: bool, max_tokens: int | None = None
-) -> list[int]:
+) -> Sequence[int]:
     """The prompt token ids of a chat request, exactly as ``kvserve serve`` builds them
     (the first ``max_tokens`` of them, when given)."""
     if max_tokens is None:
