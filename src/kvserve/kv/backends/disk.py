@@ -543,10 +543,11 @@ class DiskBackend(StorageBackend):
             if evicted:
                 self.note_evicted(evicted)
             t0 = time.perf_counter()
-            errs = self._map(
-                lambda t: self._write_slot(t[1], keys[t[0]], memoryview(payloads[t[0]]).cast("B")),
-                todo,
-            )
+            # In the caller's thread: the storage worker owns write concurrency and runs
+            # writes at low CPU priority (a pool thread here would not be).
+            errs = [
+                self._write_slot(s, keys[i], memoryview(payloads[i]).cast("B")) for i, s in todo
+            ]
             dt = time.perf_counter() - t0
             failed = []
             with self._cond:

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
 from kvserve.kv.backends.disk import preadv_all, pwritev_all
-from kvserve.kv.backends.storage import StorageBackend, parse_size
+from kvserve.kv.backends.storage import StorageBackend, lower_thread_priority, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +278,9 @@ class FsBackend(StorageBackend):
     def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
         n = len(keys)
         t0 = time.perf_counter()
-        res = self._map(lambda i: self._write(keys[i], memoryview(payloads[i]).cast("B")), range(n))
+        # In the caller's thread: the storage worker owns write concurrency and runs writes at
+        # low CPU priority (a pool thread here would not be).
+        res = [self._write(keys[i], memoryview(payloads[i]).cast("B")) for i in range(n)]
         dt = time.perf_counter() - t0
         written = skipped = 0
         for r in res:
@@ -322,6 +324,7 @@ class FsBackend(StorageBackend):
 
     # -- retention -----------------------------------------------------------------------------
     def _sweep_loop(self) -> None:
+        lower_thread_priority()
         while not self._stop.is_set():
             self._wake.wait(self.sweep_interval)
             self._wake.clear()

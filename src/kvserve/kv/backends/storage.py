@@ -23,6 +23,8 @@ Contract (every implementation, tested by ``tests/kv/test_storage_contract.py``)
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -32,6 +34,14 @@ from typing import Any, ClassVar
 from kvserve.kv.backends.chunk_format import ChunkCodec
 
 GiB = 1 << 30
+
+
+def lower_thread_priority() -> None:
+    """Nice the calling thread to 19 (Linux schedules threads individually): background tier
+    work (writes, retention sweeps) must not take cores from a CPU engine's forward pass."""
+    # Not Linux, or not permitted: the thread runs at normal priority.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvserve.kv.backends.storage import StorageBackend
+from kvserve.kv.backends.storage import StorageBackend, lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,11 @@ class StorageWorker:
         self.max_pending_writes = max_pending_writes
         self.read_batch = read_batch
         self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-storage-io")
-        self._writes = ThreadPoolExecutor(write_threads, thread_name_prefix="kv-storage-write")
+        # Writes run at the lowest CPU priority: on a CPU engine they would otherwise take
+        # cores from the forward pass (hashing, copies, syscalls); nobody waits for them.
+        self._writes = ThreadPoolExecutor(
+            write_threads, thread_name_prefix="kv-storage-write", initializer=lower_thread_priority
+        )
         self._cond = threading.Condition()
         self._results: list[StorageResult] = []
         self._inflight = 0
