@@ -87,6 +87,7 @@ class _Counts:
     blocks_invalid: int = 0  # asked for, recomputed
     refused: int = 0  # decode legs whose parameters could not be used (recomputed)
     releases: int = 0  # leases handed back unpulled (nothing needed)
+    pull_cpu_s: float = 0.0  # CPU time of the pull threads
 
 
 class PDConnector(KVConnectorBase):
@@ -295,7 +296,7 @@ class PDConnector(KVConnectorBase):
             extra.update(
                 pd_pulls=c.pulls, pd_pulls_ok=c.pulls_ok, pd_pulls_failed=c.pulls_failed,
                 pd_blocks_pulled=c.blocks_pulled, pd_blocks_invalid=c.blocks_invalid,
-                pd_refused=c.refused, pd_releases_sent=c.releases,
+                pd_refused=c.refused, pd_releases_sent=c.releases, pd_pull_cpu_s=c.pull_cpu_s,
                 pd_pulls_inflight=self.puller.num_inflight if self.puller else 0,
             )  # fmt: skip
         if self.leases is not None:
@@ -311,6 +312,7 @@ class PDConnector(KVConnectorBase):
                 pd_pulls_served=sc.pulls, pd_pulls_served_ok=sc.pulls_ok,
                 pd_pulls_served_failed=sc.pulls_failed, pd_blocks_sent=sc.blocks_sent,
                 pd_bytes_sent=sc.bytes_sent, pd_send_time_s=sc.send_time_s,
+                pd_serve_cpu_s=sc.cpu_time_s,
             )  # fmt: skip
         return KVConnectorStats(
             load_bytes=self._load_bytes,
@@ -361,6 +363,7 @@ class PDConnector(KVConnectorBase):
         c.blocks_invalid += job.num_blocks - job.good_blocks
         self._load_bytes += job.nbytes
         self._load_time_s += job.seconds
+        c.pull_cpu_s += job.cpu_seconds
         if job.good_blocks == job.num_blocks:
             c.pulls_ok += 1
             return
