@@ -107,9 +107,8 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.kv_transfer_port}")
         if self.kv_offload_size and not self.kv_connector:
             self.kv_connector = "offload"
-        if (
-            self.kv_connector == "offload" or self.kv_offload_size > 0
-        ) and self.kv_offload_block_size is None:
+        chained = self.kv_connector == "pd" and self.kv_offload_size > 0  # pd + offload
+        if (self.kv_connector == "offload" or chained) and self.kv_offload_block_size is None:
             self.kv_offload_block_size = max(DEFAULT_OFFLOAD_BLOCK_SIZE, self.block_size)
         if self.kv_offload_block_size is not None and (
             self.kv_offload_block_size % self.block_size
