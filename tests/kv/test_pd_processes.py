@@ -291,3 +291,18 @@ def test_client_gone_while_pulling_releases_both_sides(processes) -> None:
     os.kill(prod.pid, signal.SIGCONT)
     m = wait_baseline(prod.url, timeout=60)
     assert m["pd_leases_pulled"] == 1 and m["pd_leases_expired"] == 0
+
+
+def test_bad_pd_flags_exit_with_a_message(tiny_model_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    for flags in (["--kv-role", "decoder"], ["--kv-transfer-config", '{"kv_port": "x"}']):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir), *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("kvserve serve: kv") and "Traceback" not in proc.stderr

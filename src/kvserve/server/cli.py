@@ -67,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.server.auth import resolve_api_keys
     from kvserve.server.http_protocol import uvicorn_config
 
-    engine_config: EngineConfig = from_args(EngineConfig, args)
+    try:
+        engine_config: EngineConfig = from_args(EngineConfig, args)
+    except ValueError as e:  # a bad flag value (kv_role, kv_transfer_config, block_size...)
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
     server_config: ServerConfig = from_args(ServerConfig, args)
     if not engine_config.model:
         print("kvserve serve: --model DIR is required", file=sys.stderr)
