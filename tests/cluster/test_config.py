@@ -114,6 +114,43 @@ def test_cli_flags_override_the_file() -> None:
     assert RouterConfig().block_size == 16
 
 
+def test_pd_roles_and_flags() -> None:
+    cfg = router_config_from_dict(
+        {
+            "endpoints": [
+                {"url": "http://p:1", "role": "prefill"},
+                {"url": "http://d:1", "role": "kv_consumer"},
+                "http://b:1",
+            ],
+            "pd": {"threshold": 256, "prefill_scorers": ["load"], "prefill_timeout_s": 5},
+        }
+    ).validate()
+    assert [e.role for e in cfg.endpoints] == ["prefill", "decode", "both"]
+    assert cfg.pd.enabled and cfg.pd.prefill_timeout_s == 5.0
+    assert [s.name for s in cfg.pd.prefill_scorers] == ["load"]
+    with pytest.raises(ConfigError, match="pd: unknown key"):
+        router_config_from_dict({"endpoints": ["http://a:1"], "pd": {"treshold": 1}})
+    with pytest.raises(ConfigError, match="pd.threshold"):
+        router_config_from_dict({"endpoints": ["http://a:1"], "pd": {"threshold": -5}}).validate()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--endpoint", "http://127.0.0.1:1,role=prefill",
+            "--endpoint", "http://127.0.0.1:2,role=decode,name=d",
+            "--pd-threshold", "512",
+            "--pd-prefill-timeout", "7.5",
+            "--pd-prefill-max-active", "3",
+        ]
+    )  # fmt: skip
+    cfg = config_from_args(args)
+    assert [e.role for e in cfg.endpoints] == ["prefill", "decode"]
+    assert (cfg.pd.threshold, cfg.pd.prefill_timeout_s, cfg.pd.prefill_max_active) == (512, 7.5, 3)
+    with pytest.raises(ConfigError, match="role"):
+        parse_endpoint_flag("http://a:1,role=prefil")
+    assert load_router_config(str(EXAMPLE)).pd.threshold == 0  # the example: P/D off
+
+
 def test_prometheus_text_parsing() -> None:
     text = (
         "# HELP vllm:num_requests_running x\n"
