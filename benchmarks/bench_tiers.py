@@ -189,6 +189,33 @@ class ReadOps:
         return sum(b for b, _ in ops), sum(s for _, s in ops)
 
 
+class ConnectorTimer:
+    """Wall time the engine thread spends in the connector's calls (outermost calls only;
+    includes sleeping on transfers when a step has nothing to compute)."""
+
+    def __init__(self, connector) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        for name in dir(type(connector)):
+            fn = getattr(connector, name)
+            if not name.startswith("_") and callable(fn):
+                setattr(connector, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def wrapper(*a, **kw):
+            if self._depth:
+                return fn(*a, **kw)
+            self._depth += 1
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self._depth -= 1
+
+        return wrapper
+
+
 class StorageSwitch:
     """Attach or detach an engine's storage tiers between runs (nothing in flight): detached,
     the connector neither cascades stores nor looks below the host tier."""
@@ -643,10 +670,11 @@ class Feeder:
     def _run(self) -> None:
         s = self.storage
         i = 0
+        room = lambda: s._pending_write_chunks + self.batch <= s.max_pending_writes  # noqa: E731
         while not self._stop.is_set():
-            if s._pending_write_chunks + self.batch > s.max_pending_writes:
-                time.sleep(0.001)
-                continue
+            with s._cond:  # notified as each write ends: no polling (no GIL traffic)
+                if not s._cond.wait_for(room, timeout=0.1):
+                    continue
             views = [self.views[(i + j) % len(self.views)] for j in range(self.batch)]
             if s.write([os.urandom(32) for _ in views], views) is not None:
                 self.chunks += self.batch
@@ -667,12 +695,13 @@ def bench_decode(st: Setup, args, progress) -> dict:
     chunk_bytes = args.chunk_tokens * st.kv_bytes_per_token
     size = args.decode_tier_bytes
     llm = st.llm(
-        st.tier_specs(TIER_ORDER, root, size),
+        st.tier_specs(args.decode_tiers, root, size),
         max(64 * chunk_bytes, 4 * args.decode_prefill_len * st.kv_bytes_per_token),
         max_num_batched_tokens=args.decode_batched_tokens,
         max_num_seqs=args.decode_batch + args.decode_prefills,
     )
     switch = StorageSwitch(llm)
+    timer = ConnectorTimer(llm.engine.connector)
     acct = CpuAccount({"valkey-server": st.redis.proc.pid})
     rng = random.Random(5)
     dec_sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
@@ -688,6 +717,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
         switch.set(on)
         before_t = tier_counts(llm) if on else {}
         s0 = acct.snapshot()
+        c0 = timer.seconds
         if kind == "heavy" and on:
             with Feeder(switch.storage, switch.storage.tiers[0].codec.payload_bytes) as f:
                 _, t_done, drained = drive(llm, prompts, params)
@@ -698,6 +728,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
         cpu = CpuAccount.diff(s0, acct.snapshot())
         t = max(t_done[:n_dec])
         row = {"decode_tok_s": n_dec * args.decode_tokens / t, "seconds": t, "cpu": cpu}
+        row["engine_thread_connector_s"] = timer.seconds - c0
         engine_cpu = sum(v for k, v in cpu.items() if k.startswith(ENGINE_CPU))
         tier_cpu = sum(v for k, v in cpu.items() if k.startswith(TIER_CPU))
         row["engine_cpu_s"], row["tier_cpu_s"] = engine_cpu, tier_cpu
@@ -746,6 +777,10 @@ def bench_decode(st: Setup, args, progress) -> dict:
             },
             "accounted_ratio": statistics.median(r["accounted_ratio"] for r in on_rows),
             "tier_cpu_s_per_GB": statistics.median(r["tier_cpu_s_per_GB"] or 0.0 for r in on_rows),
+            "engine_thread_connector_s": [
+                statistics.median(r["engine_thread_connector_s"] for r in rows)
+                for rows in (on_rows, off_rows)
+            ],
             "cpu_on": median_dicts([r["cpu"] for r in on_rows]),
             "cpu_off": median_dicts([r["cpu"] for r in off_rows]),
             "runs_on": on_rows,
@@ -870,9 +905,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--cross-reps", type=int, default=2, help="prompts of measurement 2")
     ap.add_argument("--decode-kinds", nargs="*", default=["own", "heavy"])
     ap.add_argument("--decode-reps", type=int, default=3, help="pairs per kind (4)")
+    ap.add_argument("--decode-tiers", nargs="+", default=list(TIER_ORDER), help="tiers of 4")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt-len", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--decode-prefills", type=int, default=4)
     ap.add_argument("--decode-prefill-len", type=int, default=1024)
     ap.add_argument("--decode-batched-tokens", type=int, default=512)
@@ -1059,9 +1095,11 @@ def report(res: dict, name: str) -> str:
         for kind, d in res["decode"].items():
             on, off = d["cpu_on"], d["cpu_off"]
             keys = [k for k in on if max(on.get(k, 0), off.get(k, 0)) >= 0.01]
+            c_on, c_off = d["engine_thread_connector_s"]
             lines.append(
                 f"- {kind}: "
                 + ", ".join(f"{k} {on.get(k, 0):.2f} / {off.get(k, 0):.2f}" for k in keys)
+                + f"; the engine thread in connector calls {c_on:.3f} / {c_off:.3f} s"
             )
     lines += [
         "",
