@@ -319,10 +319,10 @@ def _recv_exact(sock: socket.socket, dest: memoryview) -> None:
 
 def raw_read(tier, keys: list[bytes], threads: int, batch: int, client: str = "socket") -> float:
     """Bytes/s of a plain read of the chunks ``keys`` of ``tier`` from the same medium (counted
-    as payload bytes, as the tier counts them) into memory of their own: ``threads`` readers,
-    ``batch`` chunks per request (redis: one pipeline; ``client="socket"``: GETs written to a
-    plain socket, each value received straight into its destination; ``"redis-py"``: a redis-py
-    pipeline)."""
+    as payload bytes, as the tier counts them) into memory of their own: ``threads`` readers
+    taking chunks in order (disk, fs) or ``batch`` chunks per request (redis: one pipeline;
+    ``client="socket"``: GETs written to a plain socket, each value received straight into its
+    destination; ``"redis-py"``: a redis-py pipeline)."""
     from kvserve.kv.backends.disk import preadv_all
 
     n = len(keys)
@@ -411,6 +411,8 @@ def raw_read(tier, keys: list[bytes], threads: int, batch: int, client: str = "s
 
     else:
         raise ValueError(tier.name)
+    if tier.name != "redis":
+        batch = 1  # one chunk per task, as the disk and fs tiers spread a call's chunks
     work = [list(range(i, min(i + batch, n))) for i in range(0, n, batch)]
     ex = ThreadPoolExecutor(threads) if threads > 1 else None
     try:
@@ -687,6 +689,9 @@ class Feeder:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        s = self.storage
+        with s._cond:  # the queued chunks are written before the next run starts
+            s._cond.wait_for(lambda: not s._inflight, timeout=120)
 
 
 def bench_decode(st: Setup, args, progress) -> dict:
@@ -699,6 +704,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
         max(64 * chunk_bytes, 4 * args.decode_prefill_len * st.kv_bytes_per_token),
         max_num_batched_tokens=args.decode_batched_tokens,
         max_num_seqs=args.decode_batch + args.decode_prefills,
+        num_threads=args.decode_threads,
     )
     switch = StorageSwitch(llm)
     timer = ConnectorTimer(llm.engine.connector)
@@ -721,11 +727,13 @@ def bench_decode(st: Setup, args, progress) -> dict:
         if kind == "heavy" and on:
             with Feeder(switch.storage, switch.storage.tiers[0].codec.payload_bytes) as f:
                 _, t_done, drained = drive(llm, prompts, params)
+                s1, after_t = acct.snapshot(), tier_counts(llm)  # the stream still running
             fed = f.chunks
         else:
             _, t_done, drained = drive(llm, prompts, params)
+            s1, after_t = acct.snapshot(), tier_counts(llm) if on else {}
             fed = 0
-        cpu = CpuAccount.diff(s0, acct.snapshot())
+        cpu = CpuAccount.diff(s0, s1)
         t = max(t_done[:n_dec])
         row = {"decode_tok_s": n_dec * args.decode_tokens / t, "seconds": t, "cpu": cpu}
         row["engine_thread_connector_s"] = timer.seconds - c0
@@ -736,7 +744,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
         # forward does not get (GIL waits not counted).
         row["accounted_ratio"] = engine_cpu / (engine_cpu + tier_cpu)
         if on:
-            d = {k: delta(v, before_t[k]) for k, v in tier_counts(llm).items()}
+            d = {k: delta(v, before_t[k]) for k, v in after_t.items()}
             row["tiers"] = {
                 k: {f: v[f] for f in ("written", "write_bytes", "dropped", "errors")}
                 for k, v in d.items()
@@ -912,6 +920,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--decode-prefills", type=int, default=4)
     ap.add_argument("--decode-prefill-len", type=int, default=1024)
     ap.add_argument("--decode-batched-tokens", type=int, default=512)
+    ap.add_argument("--decode-threads", type=int, default=None, help="torch threads of 4")
     ap.add_argument("--decode-tier-bytes", type=int, default=2 << 30)
     ap.add_argument("--ws-prompt-len", type=int, default=1024)
     ap.add_argument("--ws-host-prompts", type=int, default=4)
