@@ -111,10 +111,12 @@ def drive(
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     concurrency: int | None = None,
+    when_done: tuple[int, Callable[[], None]] | None = None,
 ) -> tuple[list[Any], list[float], float]:
     """Run requests to completion on the engine, at most ``concurrency`` in flight (a closed-
     loop client; default: all at once): (outputs, seconds until each finished, seconds until
-    the connector's storage writes drained too)."""
+    the connector's storage writes drained too). ``when_done=(k, fn)``: ``fn()`` is called as
+    soon as the first ``k`` requests have finished."""
     eng = llm.engine
     todo = list(zip(prompts, params, strict=True))
     limit = concurrency or len(todo)
@@ -132,6 +134,10 @@ def drive(
             if out.finished:
                 done[out.request_id] = out
                 t_done[out.request_id] = time.perf_counter() - t0
+                k = when_done[0] if when_done else 0
+                if when_done and len(ids) >= k and all(i in done for i in ids[:k]):
+                    when_done[1]()
+                    when_done = None
     return [done[i] for i in ids], [t_done[i] for i in ids], time.perf_counter() - t0
 
 
@@ -733,20 +739,24 @@ def bench_decode(st: Setup, args, progress) -> dict:
         before_t = tier_counts(llm) if on else {}
         s0 = acct.snapshot()
         c0 = timer.seconds
+        end: dict = {}
+
+        def at_end() -> None:  # the decode batch finished: the window measured ends here
+            end.update(cpu=acct.snapshot(), conn=timer.seconds, tiers=tier_counts(llm))
+
         if kind == "heavy" and on:
             payload = switch.storage.tiers[0].codec.payload_bytes
             with Feeder(switch.storage, payload, args.heavy_mb_s * 1e6) as f:
-                _, t_done, drained = drive(llm, prompts, params)
-                s1, after_t = acct.snapshot(), tier_counts(llm)  # the stream still running
+                _, t_done, drained = drive(llm, prompts, params, when_done=(n_dec, at_end))
             fed = f.chunks
         else:
-            _, t_done, drained = drive(llm, prompts, params)
-            s1, after_t = acct.snapshot(), tier_counts(llm) if on else {}
+            _, t_done, drained = drive(llm, prompts, params, when_done=(n_dec, at_end))
             fed = 0
-        cpu = CpuAccount.diff(s0, s1)
+        cpu = CpuAccount.diff(s0, end["cpu"])
+        after_t = end["tiers"]
         t = max(t_done[:n_dec])
         row = {"decode_tok_s": n_dec * args.decode_tokens / t, "seconds": t, "cpu": cpu}
-        row["engine_thread_connector_s"] = timer.seconds - c0
+        row["engine_thread_connector_s"] = end["conn"] - c0
         engine_cpu = sum(v for k, v in cpu.items() if k.startswith(ENGINE_CPU))
         tier_cpu = sum(v for k, v in cpu.items() if k.startswith(TIER_CPU))
         row["engine_cpu_s"], row["tier_cpu_s"] = engine_cpu, tier_cpu
