@@ -528,17 +528,26 @@ def frontier(points: list[dict]) -> list[dict]:
     ]
 
 
+def _name(r: dict) -> str:
+    return r["split"] + (f" @{r['threshold']}" if r["threshold"] else "")
+
+
 def best_splits(runs: list[dict]) -> dict:
+    """Per workload: the frontier, and the best run that costs no TTFT p90 over co-located."""
     out = {}
     for wname in dict.fromkeys(r["workload"] for r in runs):
         rs = [r for r in runs if r["workload"] == wname and not r["failed"]]
         co = next(r for r in rs if r["split"] == "co-located")
-        front = frontier(rs)
+        free = [r for r in rs if r["ttft_p90"] <= co["ttft_p90"] and r is not co]
+        best_free = min(free, key=lambda r: r["itl_p99"]) if free else None
+        best_itl = min(rs, key=lambda r: r["itl_p99"])
         out[wname] = {
             "co_located": {"itl_p99": co["itl_p99"], "ttft_p90": co["ttft_p90"]},
-            "frontier": [(r["split"], r["threshold"], r["itl_p99"], r["ttft_p90"]) for r in front],
-            "best_itl": min(rs, key=lambda r: r["itl_p99"])["split"],
-            "best_ttft": min(rs, key=lambda r: r["ttft_p90"])["split"],
+            "frontier": [(_name(r), r["itl_p99"], r["ttft_p90"]) for r in frontier(rs)],
+            "best_itl": (_name(best_itl), best_itl["itl_p99"], best_itl["ttft_p90"]),
+            "best_without_ttft_cost": None
+            if best_free is None
+            else (_name(best_free), best_free["itl_p99"], best_free["ttft_p90"]),
         }
     return out
 
@@ -724,20 +733,31 @@ decode instance from which a request is split).
                 f"{_ms(r['ttft_short_p90'])} | {r['output_tokens'] / wd['duration']:.0f} | "
                 f"{split:.0f} / {alone:.0f} | {fb:.0f} | {r['failed']} | {r['pace']:.2f} |"
             )
-        best = sim["best"].get(wd["name"])
+        best = best_splits(sim["runs"]).get(wd["name"])
         if best:
+            co = best["co_located"]
             front = ", ".join(
-                f"{s}" + (f" @{t}" if t else "") + f" ({i * 1e3:.1f} ms, {f * 1e3:.0f} ms)"
-                for s, t, i, f in best["frontier"]
+                f"{n} ({i * 1e3:.1f} ms, {f * 1e3:.0f} ms)" for n, i, f in best["frontier"]
             )
-            out.append(
-                f"\nFrontier (ITL p99, TTFT p90): {front}. Lowest ITL p99: {best['best_itl']}; "
-                f"lowest TTFT p90: {best['best_ttft']}.\n"
+            n, i, f = best["best_itl"]
+            text = (
+                f"\nFrontier (ITL p99, TTFT p90): {front}. Lowest ITL p99: {n}, "
+                f"{co['itl_p99'] / i:.1f}x better than co-located at {f / co['ttft_p90']:.2f}x "
+                "its TTFT p90"
             )
+            if best["best_without_ttft_cost"]:
+                n, i, f = best["best_without_ttft_cost"]
+                text += (
+                    f"; the best without a TTFT cost: {n}, ITL p99 {co['itl_p99'] / i:.1f}x "
+                    f"better at {f / co['ttft_p90']:.2f}x the TTFT p90"
+                )
+            out.append(text + ".\n")
     return "\n".join(out)
 
 
 def write_report(doc: dict, out: Path) -> None:
+    if doc.get("sim"):
+        doc["sim"]["best"] = best_splits(doc["sim"]["runs"])
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     plot(doc, out.with_suffix(".png"))
     parts = []

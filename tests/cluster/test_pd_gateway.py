@@ -130,6 +130,8 @@ def prefill_leg_of(body: dict[str, Any]) -> dict[str, Any]:
     leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
     if "max_completion_tokens" in body:
         leg["max_completion_tokens"] = 1
+    if "min_tokens" in body:
+        leg["min_tokens"] = min(body["min_tokens"], 1)
     return leg
 
 
@@ -284,6 +286,9 @@ def test_saturated_or_absent_prefill_pool_means_no_split(tmp_path: Path) -> None
             until(lambda: fake_state(pre)["prefill_legs"] == 1, 20, "prefill leg in flight")
             gauge = metrics(url, "kvserve_router_endpoint_prefill_in_flight")
             assert gauge[(("endpoint", "prefill0"),)] == 1
+            # The decode endpoint counts the request already (its load, for the scorers).
+            gauge = metrics(url, "kvserve_router_endpoint_in_flight")
+            assert gauge[(("endpoint", "decode0"),)] == 1
             t0 = time.monotonic()
             r = post(url, {"model": "m", "prompt": list(range(3000, 3100))})
             assert r.status_code == 200 and time.monotonic() - t0 < 2.5  # not queued behind

@@ -19,7 +19,7 @@ health check now, since under a burst they are the router's own load showing.
 Prefill/decode disaggregation (``pd.threshold`` > 0): the scheduler's decision says
 whether a request is split (:mod:`kvserve.cluster.disaggregation`); a split request is
 carried out by vLLM's contract. The prefill leg is the client's body with ``max_tokens`` 1
-(and ``max_completion_tokens`` when given), no streaming, no ``stream_options`` and
+(and ``max_completion_tokens``, ``min_tokens`` when given), no streaming, no ``stream_options`` and
 ``kv_transfer_params: {"do_remote_decode": true}``, sent to the prefill endpoint (with the
 same authentication as any upstream request) and given ``pd.prefill_timeout_s`` in all;
 the ``kv_transfer_params`` of its JSON answer go into the decode leg, the client's body
@@ -510,9 +510,14 @@ class Router:
         data = request.body
         pd_headers: list[tuple[bytes, bytes]] | None = None
         if decision.pd is not None:
-            data, pd_headers = await self._disaggregate(
-                request, req, decision, headers, client_auth, body
-            )
+            decode = decision.ranked[0]
+            decode.in_flight += 1  # committed to it while the prefill leg runs (load scorer)
+            try:
+                data, pd_headers = await self._disaggregate(
+                    request, req, decision, headers, client_auth, body
+                )
+            finally:
+                decode.in_flight -= 1
         attempts = decision.ranked[: self.config.max_attempts]
         last_error = "no endpoint tried"
         overloaded = False
@@ -624,6 +629,8 @@ class Router:
         leg["max_tokens"] = 1
         if "max_completion_tokens" in leg:
             leg["max_completion_tokens"] = 1
+        if isinstance(leg.get("min_tokens"), int) and leg["min_tokens"] > 1:
+            leg["min_tokens"] = 1  # vLLM refuses min_tokens > max_tokens
         leg["stream"] = False
         leg.pop("stream_options", None)
         leg["kv_transfer_params"] = {"do_remote_decode": True}
