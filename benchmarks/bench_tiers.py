@@ -907,7 +907,8 @@ def plot(hr: dict, path: Path, title: str) -> None:
     axes[0].set_xlabel("requests re-using a working-set prompt (%)")
     axes[1].set_xlabel("measured hit rate (% of prompt tokens from host + disk tiers)")
     for ax in axes:
-        ax.set_ylabel("prefill throughput (tok/s)")
+        ax.set_yscale("log")
+        ax.set_ylabel("prefill throughput (tok/s, log scale)")
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title)
