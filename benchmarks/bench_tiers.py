@@ -773,6 +773,9 @@ def bench_decode(st: Setup, args, progress) -> dict:
             written = sum(v["write_bytes"] for v in d.values())
             row["tier_cpu_s_per_GB"] = tier_cpu / (written / 1e9) if written else None
             row["fed_chunks"] = fed
+            row["written_after_drain"] = {
+                k: delta(v, before_t[k])["written"] for k, v in tier_counts(llm).items()
+            }
             row["drain_s"] = drained - t
         switch.set(True)
         return row
