@@ -44,7 +44,7 @@ import numpy as np
 
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
-from kvserve.kv.backends.storage import StorageBackend, parse_size
+from kvserve.kv.backends.storage import StorageBackend, parse_flag, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +76,14 @@ def parse_o_direct(value: Any) -> bool | None:
     """``auto`` (None), or a boolean from a bool or a CLI string."""
     if value is None or isinstance(value, bool):
         return value
-    s = str(value).strip().lower()
-    if s == "auto":
+    if str(value).strip().lower() == "auto":
         return None
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"disk tier: o_direct must be auto, true or false, got {value!r}")
+    try:
+        return parse_flag(value, "o_direct")
+    except ValueError:
+        raise ValueError(
+            f"disk tier: o_direct must be auto, true or false, got {value!r}"
+        ) from None
 
 
 def buffer_address(buf: memoryview) -> int:
@@ -98,11 +98,7 @@ def pwritev_all(fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> Non
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, n)
 
 
 def preadv_all(fd: int, bufs: Sequence[memoryview | bytearray | mmap.mmap], offset: int) -> bool:
@@ -113,12 +109,17 @@ def preadv_all(fd: int, bufs: Sequence[memoryview | bytearray | mmap.mmap], offs
         if n <= 0:
             return False
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return True
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from ``views`` after a partial vectored read or write."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
 
 
 class _SlotRead:

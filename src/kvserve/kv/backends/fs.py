@@ -38,7 +38,12 @@ from typing import Any, TypeVar
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
 from kvserve.kv.backends.disk import preadv_all, pwritev_all
-from kvserve.kv.backends.storage import StorageBackend, lower_thread_priority, parse_size
+from kvserve.kv.backends.storage import (
+    StorageBackend,
+    lower_thread_priority,
+    parse_flag,
+    parse_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +57,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 _MISS, _HIT, _CORRUPT = 0, 1, 2
-
-
-def _flag(value: Any, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    s = str(value).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"fs tier: {name} must be true or false, got {value!r}")
 
 
 def _touch(file: int | str) -> None:
@@ -121,7 +115,7 @@ class FsBackend(StorageBackend):
         self.sweep_after = (
             int(SWEEP_EARLY * self.size_bytes) if sweep_after is None else parse_size(sweep_after)
         )
-        self.fsync = _flag(fsync, "fsync")
+        self.fsync = parse_flag(fsync, "fs tier: fsync")
         self.stored_bytes = codec.stored_bytes
         self.root = root
         self.dir = root / codec.namespace

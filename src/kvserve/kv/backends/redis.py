@@ -44,7 +44,7 @@ from redis.retry import Retry
 
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
-from kvserve.kv.backends.storage import StorageBackend, parse_size
+from kvserve.kv.backends.storage import StorageBackend, parse_flag, parse_size
 
 KEY_PREFIX = "kvserve"
 # Scheme of the URL -> redis-py's scheme.
@@ -66,17 +66,6 @@ _IO_ERRORS = (RedisError, OSError)
 # Bytes per recv() of a reply: chunks are megabytes, redis-py's default (64 KiB) costs a
 # Python-level loop iteration per 64 KiB.
 _SOCKET_READ_SIZE = 1 << 20
-
-
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"expected a boolean, got {value!r}")
-    return bool(value)
 
 
 def normalize_url(url: str) -> str:
@@ -274,7 +263,9 @@ class RedisBackend(StorageBackend):
             "ssl_keyfile": ssl_keyfile,
             "ssl_cert_reqs": ssl_cert_reqs,
             "ssl_check_hostname": (
-                None if ssl_check_hostname is None else _as_bool(ssl_check_hostname)
+                None
+                if ssl_check_hostname is None
+                else parse_flag(ssl_check_hostname or False, "redis tier: ssl_check_hostname")
             ),
         }
         tls = {k: v for k, v in tls.items() if v is not None}

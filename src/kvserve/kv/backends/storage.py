@@ -177,6 +177,19 @@ def parse_size(value: Any) -> int:
     return int(float(s) * GiB)
 
 
+def parse_flag(value: Any, name: str) -> bool:
+    """A boolean tier option from a bool or a CLI string (``true``/``false``, ``1``/``0``,
+    ``yes``/``no``, ``on``/``off``)."""
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 def parse_tier_spec(spec: str | dict[str, Any] | TierSpec) -> TierSpec:
     """``"disk:path=/var/kv,size=64"`` or ``{"type": "disk", "path": ..., "size": ...}``."""
     if isinstance(spec, TierSpec):
