@@ -10,6 +10,7 @@ connector-specific and do not collide).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvserve.kv.connector import KVConnectorBase, KVConnectorOutput, KVConnectorStats
@@ -17,6 +18,7 @@ from kvserve.kv.connector import KVConnectorBase, KVConnectorOutput, KVConnector
 if TYPE_CHECKING:
     import torch
 
+    from kvserve.config import EngineConfig
     from kvserve.engine.outputs import SchedulerOutput
     from kvserve.engine.request import Request
     from kvserve.kv.events import AnyKVEvent
@@ -155,3 +157,13 @@ class MultiConnector(KVConnectorBase):
     def shutdown(self) -> None:
         for c in self.connectors:
             c.shutdown()
+
+
+def chain_with_offload(
+    first: KVConnectorBase, offload: Callable[[EngineConfig], KVConnectorBase], config: EngineConfig
+) -> KVConnectorBase:
+    """``first`` alone, or chained before an offloading connector when a host tier is
+    configured (``kv_offload_size > 0``)."""
+    if config.kv_offload_size <= 0:
+        return first
+    return MultiConnector([first, offload(config)])

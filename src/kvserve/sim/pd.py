@@ -282,13 +282,10 @@ class SimPDConnector(KVConnectorBase):
 
 def create_sim_pd_connector(config: EngineConfig) -> KVConnectorBase:
     """``sim-pd``, chained with the simulated host tier when one is configured."""
-    pd = SimPDConnector(config)
-    if config.kv_offload_size <= 0:
-        return pd
-    from kvserve.kv.multi_connector import MultiConnector
+    from kvserve.kv.multi_connector import chain_with_offload
     from kvserve.sim.offload import SimOffloadingConnector
 
-    return MultiConnector([pd, SimOffloadingConnector(config)])
+    return chain_with_offload(SimPDConnector(config), SimOffloadingConnector, config)
 
 
 CONNECTORS["sim-pd"] = create_sim_pd_connector

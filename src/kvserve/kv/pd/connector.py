@@ -387,13 +387,10 @@ class PDConnector(KVConnectorBase):
 
 def create_pd_connector(config: EngineConfig) -> KVConnectorBase:
     """``pd``, chained with offloading when a host tier is configured."""
-    pd = PDConnector(config)
-    if config.kv_offload_size <= 0:
-        return pd
-    from kvserve.kv.multi_connector import MultiConnector
+    from kvserve.kv.multi_connector import chain_with_offload
     from kvserve.kv.offload.connector import OffloadingConnector
 
-    return MultiConnector([pd, OffloadingConnector(config)])
+    return chain_with_offload(PDConnector(config), OffloadingConnector, config)
 
 
 CONNECTORS["pd"] = create_pd_connector
