@@ -16,7 +16,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass
@@ -43,6 +46,25 @@ class ModelConfig:
     torch_dtype: str = "float32"
     model_type: str = "llama"
     sliding_window: int | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Qwen3-MoE's rule: sparse unless listed in ``mlp_only_layers`` or off the step."""
+        return (
+            self.is_moe
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def max_context_len(self) -> int:
@@ -88,11 +110,12 @@ class ModelConfig:
         # Sliding-window attention is not implemented; it equals full attention up to the
         # window, so the runner caps the context length there (Mistral v0.1: 4096).
         sliding_window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" or arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             sliding_window = sliding_window if cfg.get("use_sliding_window") else None
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        moe = _moe_fields(arch, cfg)
         return cls(
             architecture=arch,
             hidden_size=hidden,
@@ -108,12 +131,13 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=str(dtype).replace("torch.", ""),
             model_type=str(cfg.get("model_type", "llama")),
             sliding_window=int(sliding_window) if sliding_window else None,
+            **moe,
         )
 
     @classmethod
@@ -128,3 +152,30 @@ class ModelConfig:
             if eos is not None:
                 cfg.eos_token_id = [eos] if isinstance(eos, int) else list(eos)
         return cfg
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoE hyper-parameters of Qwen3-MoE / Mixtral; refuses what kvserve does not compute."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch}: hidden_act {act!r} is not supported (silu only)")
+    if arch == "MixtralForCausalLM":
+        n = int(cfg["num_local_experts"])
+        fields = dict(moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    else:
+        n = int(cfg["num_experts"])
+        for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+            if cfg.get(key):
+                raise ValueError(f"{arch}: shared experts ({key}) are not supported")
+        fields = dict(
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+            mlp_only_layers=[int(i) for i in cfg.get("mlp_only_layers") or []],
+        )
+    k = int(cfg["num_experts_per_tok"])
+    if not 0 < k <= n:
+        raise ValueError(f"{arch}: num_experts_per_tok {k} must be in [1, num_experts={n}]")
+    return dict(num_experts=n, num_experts_per_tok=k, **fields)

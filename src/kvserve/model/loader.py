@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.registry import get_model_class
 
 DTYPES = {
     "float32": torch.float32,
@@ -99,21 +100,28 @@ def load_model(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = get_model_class(config)(config)
     model = model.to_empty(device=dev).to(torch_dtype)
     params = dict(model.named_parameters())
+    mapper = getattr(model, "hf_weight_target", None)  # models with their own name mapping
     filled: dict[str, int] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                target = _target(hf_name, config)
+                src_rows = None  # MoE: the local experts of a stacked HF tensor
+                if mapper is not None:
+                    target = mapper(hf_name)
+                    if target is not None:
+                        target, src_rows = target[:2], target[2]
+                else:
+                    target = _target(hf_name, config)
                 if target is None:
                     continue
                 name, rows = target
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r} in {path.name}")
                 dst = params[name] if rows is None else params[name][rows]
-                src = f.get_tensor(hf_name)
+                src = f.get_tensor(hf_name) if src_rows is None else f.get_slice(hf_name)[src_rows]
                 if tuple(src.shape) != tuple(dst.shape):
                     raise ValueError(
                         f"weight {hf_name!r} has shape {tuple(src.shape)}, "

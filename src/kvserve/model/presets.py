@@ -1,6 +1,7 @@
 """`kvserve make-model`: write a deterministic Hugging Face-format model directory.
 
-Owns the preset shapes (``tiny`` for tests, ``small`` for benchmarks, ``tiny-qwen2``), the
+Owns the preset shapes (``tiny`` for tests, ``small`` for benchmarks, ``tiny-qwen2``, the
+mixtures of experts ``tiny-moe`` / ``small-moe`` (Qwen3-MoE) and ``tiny-mixtral``), the
 seeded random initialization, and the byte-level BPE tokenizer trained locally from
 :mod:`kvserve.model.corpus`. Same arguments -> same bytes, on every run and machine. The
 directory loads in kvserve and in ``transformers`` alike (the parity oracle).
@@ -61,6 +62,30 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 PRESETS["tiny-qwen2"] = dict(PRESETS["tiny"], arch="qwen2")
+# Mixtures of experts (same tokenizer as tiny): 8 experts, top-2.
+PRESETS["tiny-moe"] = dict(
+    PRESETS["tiny"],
+    arch="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+)
+PRESETS["tiny-mixtral"] = dict(
+    PRESETS["tiny"],
+    arch="mixtral",
+    intermediate_size=256,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+)
+PRESETS["small-moe"] = dict(
+    PRESETS["small"],
+    arch="qwen3_moe",
+    num_hidden_layers=8,
+    num_experts=16,
+    num_experts_per_tok=2,
+    moe_intermediate_size=768,
+    torch_dtype="float32",
+)
 
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -94,6 +119,30 @@ ARCHS: dict[str, dict[str, Any]] = {
         use_sliding_window=False,
         sliding_window=None,
         tie_word_embeddings=True,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        rope_theta=1000000.0,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+        output_router_logits=False,
+    ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        rope_theta=1000000.0,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=0.02,
+        output_router_logits=False,
     ),
 }
 
@@ -176,15 +225,37 @@ def _init_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.q_proj.bias"] = normal(nh * d, std=0.1)
             w[p + "self_attn.k_proj.bias"] = normal(nkv * d, std=0.1)
             w[p + "self_attn.v_proj.bias"] = normal(nkv * d, std=0.1)
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = normal(d, std=0.1, mean=1.0)
             w[p + "self_attn.k_norm.weight"] = normal(d, std=0.1, mean=1.0)
+        if arch in ("qwen3_moe", "mixtral"):
+            w.update(_moe_weights(cfg, p, normal))
+            continue
         w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
         w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
         w[p + "mlp.down_proj.weight"] = normal(h, inter, std=inter**-0.5)
     w["model.norm.weight"] = normal(h, std=0.1, mean=1.0)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(vocab, h, std=h**-0.5)
+    return w
+
+
+def _moe_weights(cfg: dict[str, Any], p: str, normal: Any) -> dict[str, torch.Tensor]:
+    """Router and per-expert weights under HF's checkpoint names. The router is scaled up so
+    that routing is decisive (distinct experts per token, not a near-uniform mix)."""
+    h = cfg["hidden_size"]
+    if cfg["model_type"] == "mixtral":
+        n, inter, pre = cfg["num_local_experts"], cfg["intermediate_size"], "block_sparse_moe"
+        names = ("w1", "w3", "w2")
+    else:
+        n, inter, pre = cfg["num_experts"], cfg["moe_intermediate_size"], "mlp"
+        names = ("gate_proj", "up_proj", "down_proj")
+    w = {f"{p}{pre}.gate.weight": normal(n, h, std=4 * h**-0.5)}
+    for e in range(n):
+        q = f"{p}{pre}.experts.{e}."
+        w[q + names[0] + ".weight"] = normal(inter, h, std=h**-0.5)
+        w[q + names[1] + ".weight"] = normal(inter, h, std=h**-0.5)
+        w[q + names[2] + ".weight"] = normal(h, inter, std=inter**-0.5)
     return w
 
 
@@ -199,7 +270,7 @@ def model_config(preset: str = "tiny", arch: str | None = None) -> dict[str, Any
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
     cfg: dict[str, Any] = dict(ARCHS[arch])
     cfg.update(shape)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         cfg["head_dim"] = 48  # explicit and != hidden / heads, as in real Qwen3 models
     else:
         cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -213,7 +284,7 @@ def model_config(preset: str = "tiny", arch: str | None = None) -> dict[str, Any
         }
     cfg.update(
         hidden_act="silu",
-        rms_norm_eps=1e-5 if arch in ("llama", "mistral") else 1e-6,
+        rms_norm_eps=1e-5 if arch in ("llama", "mistral", "mixtral") else 1e-6,
         initializer_range=0.02,
         bos_token_id=0,
         eos_token_id=SPECIAL_TOKENS.index(EOS),

@@ -1,0 +1,1 @@
+"""Data and expert parallelism: rank processes, their process group, MoE dispatch/combine."""
