@@ -110,6 +110,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill legs in flight (or requests waiting) that saturate a prefill endpoint (8)",
     )
     parser.add_argument("--endpoints-file", help="YAML/JSON endpoint list, re-read on change")
+    parser.add_argument(
+        "--endpoints-dns",
+        action="append",
+        default=[],
+        metavar="dns://NAME:PORT[,events=tcp://{host}:P,...]",
+        help="discover endpoints from the addresses of a DNS name (a headless Service), "
+        "re-resolved every --endpoints-dns-interval s; options as --endpoint's, {host} and {ip} "
+        "standing for each address (repeatable)",
+    )
+    parser.add_argument(
+        "--endpoints-dns-interval", type=float, metavar="S", help="DNS re-resolution period (5)"
+    )
     parser.add_argument("--tokenizer", help="model directory whose tokenizer the router uses")
     parser.add_argument("--block-size", type=int, help="block size of the routing history")
     parser.add_argument("--prefix-hash-seed", help="seed of the router's block keys")
@@ -188,6 +200,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         if value:  # replace(): the index config checks the key file
             cfg.index = dataclasses.replace(cfg.index, **{flag: value})
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
+    cfg.endpoints_dns = cfg.endpoints_dns + list(getattr(args, "endpoints_dns", None) or [])
+    if getattr(args, "endpoints_dns_interval", None) is not None:
+        cfg.endpoints_dns_poll_s = args.endpoints_dns_interval
     for flag, key in (
         ("pd_threshold", "threshold"),
         ("pd_prefill_timeout", "prefill_timeout_s"),

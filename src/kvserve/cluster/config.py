@@ -245,6 +245,10 @@ class RouterConfig:
     endpoints: list[EndpointSpec] = field(default_factory=list)
     endpoints_file: str | None = None  # YAML/JSON list of endpoints, re-read when it changes
     endpoints_file_poll_s: float = 1.0
+    # DNS discovery (headless Services): dns://NAME[:PORT][,events=tcp://{host}:5557,...],
+    # each address one endpoint (see kvserve/cluster/discovery.py), resolved every poll.
+    endpoints_dns: list[str] = field(default_factory=list)
+    endpoints_dns_poll_s: float = 5.0
     tokenizer: str | None = None  # model directory whose tokenizer serves every model
     tokenizers: dict[str, str] = field(default_factory=dict)  # model name -> model directory
     block_size: int = 16  # block size of the routing history (approximate prefix)
@@ -309,8 +313,14 @@ class RouterConfig:
             raise ConfigError("tokenize_max_tokens must be positive")
         if any(not k for k in self.api_keys):
             raise ConfigError("api_keys must not be empty strings")
-        if not self.endpoints and not self.endpoints_file:
-            raise ConfigError("no endpoints: give `endpoints` or `endpoints_file`")
+        if not self.endpoints and not self.endpoints_file and not self.endpoints_dns:
+            raise ConfigError("no endpoints: give `endpoints`, `endpoints_file` or `endpoints_dns`")
+        if self.endpoints_file_poll_s <= 0 or self.endpoints_dns_poll_s <= 0:
+            raise ConfigError("endpoints_file_poll_s and endpoints_dns_poll_s must be positive")
+        from kvserve.cluster.discovery import DnsSource
+
+        for target in self.endpoints_dns:  # a bad target or template fails at startup
+            DnsSource(target)
         names = [e.key for e in self.endpoints]
         if len(set(names)) != len(names):
             raise ConfigError("duplicate endpoint names/urls")

@@ -1,7 +1,8 @@
 """The endpoints behind the router: who they are, whether they are up, how loaded they are.
 
-Owns endpoint state and its upkeep: the list (static, or a YAML/JSON file re-read when it
-changes), active health checks (GET /health; out after ``unhealthy_after`` failures or at once
+Owns endpoint state and its upkeep: the list (static, plus the discovery sources of
+:mod:`~kvserve.cluster.discovery`: an endpoints file, DNS of a headless Service), active
+health checks (GET /health; out after ``unhealthy_after`` failures or at once
 when the gateway finds its connection refused, back after one good check; a check that times
 out while the endpoint answered proxied requests does not count: the router was slow, not the
 endpoint; other failures of proxied requests only ask for a check now, :meth:`probe_soon`),
@@ -17,21 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
 
-from kvserve.cluster.config import (
-    ConfigError,
-    EndpointSpec,
-    HealthConfig,
-    parse_endpoints,
-    read_structured_file,
-)
+from kvserve.cluster.config import EndpointSpec, HealthConfig, RouterConfig
+from kvserve.cluster.discovery import DnsSource, EndpointSource, FileSource
 from kvserve.cluster.upstream import Origin, UpstreamError, UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -129,22 +125,48 @@ class EndpointPool:
         endpoints_file: str | None = None,
         file_poll_s: float = 1.0,
         upstream_api_key: str | None = None,
+        dns: Iterable[str] = (),
+        dns_poll_s: float = 5.0,
+        sources: Iterable[EndpointSource] = (),
     ) -> None:
         self.health = health or HealthConfig()
         self.upstream_api_key = upstream_api_key
         self.endpoints_file = endpoints_file
-        self.file_poll_s = file_poll_s
         self.endpoints: dict[str, Endpoint] = {}
         self.on_added: list[Listener] = []
         self.on_removed: list[Listener] = []
         self.on_health_change: list[Listener] = []
         self._static = list(specs)
-        self._file_mtime: float | None = None
+        # Discovery: each source's latest answer, merged after the static list.
+        self.sources: list[EndpointSource] = []
+        if endpoints_file:
+            self.sources.append(FileSource(endpoints_file, file_poll_s))
+        self.sources += [DnsSource(t, dns_poll_s) for t in dns]
+        self.sources += list(sources)
+        self._discovered: dict[int, list[EndpointSpec]] = {}  # id(source) -> its endpoints
         self._tasks: list[asyncio.Task] = []
         self._client: UpstreamPool | None = None
         self._own_client = False
         self._checking: set[str] = set()
         self._probes: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> EndpointPool:
+        """The pool of a router configuration (static endpoints, file, DNS targets)."""
+        return cls(
+            config.endpoints,
+            health=config.health,
+            endpoints_file=config.endpoints_file,
+            file_poll_s=config.endpoints_file_poll_s,
+            upstream_api_key=config.upstream_api_key,
+            dns=config.endpoints_dns,
+            dns_poll_s=config.endpoints_dns_poll_s,
+        )
+
+    @property
+    def synced(self) -> bool:
+        """Every discovery source has answered at least once (an empty answer counts)."""
+        return all(s.answered for s in self.sources)
 
     # ------------------------------------------------------------------ membership
 
@@ -179,25 +201,34 @@ class EndpointPool:
                     cb(ep)
 
     def load(self) -> None:
-        """Apply the static list plus the endpoints file (if any). Raises on a bad file."""
-        specs = list(self._static)
-        if self.endpoints_file:
-            specs += self._read_file()
-        self.set_specs(specs)
+        """Apply the static list plus the endpoints files (read now: raises ConfigError on a
+        missing or bad one) and the other sources' latest answers."""
+        for source in self.sources:
+            if isinstance(source, FileSource):
+                self._discovered[id(source)] = source.read()
+        self._apply()
 
-    def _read_file(self) -> list[EndpointSpec]:
-        assert self.endpoints_file is not None
-        try:
-            self._file_mtime = os.stat(self.endpoints_file).st_mtime_ns
-            return parse_endpoints(read_structured_file(self.endpoints_file), self.endpoints_file)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read endpoints file {self.endpoints_file}: {e}") from None
+    def _apply(self) -> None:
+        """The static list, then each source's endpoints (the first of a name wins)."""
+        specs: dict[str, EndpointSpec] = {}
+        for spec in self._static + [
+            s for src in self.sources for s in self._discovered.get(id(src), [])
+        ]:
+            specs.setdefault(spec.key, spec)
+        self.set_specs(specs.values())
 
-    def _file_changed(self) -> bool:
-        try:
-            return os.stat(self.endpoints_file).st_mtime_ns != self._file_mtime
-        except OSError:
+    async def refresh(self, source: EndpointSource) -> bool:
+        """Poll one source and apply a new answer; True when it had one."""
+        specs = await source.poll()
+        if specs is None:
             return False
+        self._discovered[id(source)] = specs
+        self._apply()
+        # Newly added endpoints are checked now, not at the next round.
+        await asyncio.gather(
+            *(self.check(e) for e in self.endpoints.values() if not e.healthy and e.failures == 0)
+        )
+        return True
 
     # ------------------------------------------------------------------ upkeep
 
@@ -209,14 +240,20 @@ class EndpointPool:
         self._client = client or UpstreamPool(max_idle_per_origin=2)
         self._own_client = client is None
         self.load()
+        # First answers of the other sources (DNS) before the first checks.
+        for source in self.sources:
+            if not isinstance(source, FileSource):
+                self._discovered[id(source)] = await source.poll() or []
+        self._apply()
         await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))
         await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values())))
         self._tasks = [
             asyncio.create_task(self._loop(self.health.interval_s, self._check_all)),
             asyncio.create_task(self._loop(self.health.metrics_interval_s, self._scrape_all)),
         ]
-        if self.endpoints_file:
-            self._tasks.append(asyncio.create_task(self._loop(self.file_poll_s, self._watch)))
+        for source in self.sources:
+            refresh = functools.partial(self.refresh, source)
+            self._tasks.append(asyncio.create_task(self._loop(source.poll_s, refresh)))
 
     async def stop(self) -> None:
         tasks = self._tasks + list(self._probes)
@@ -238,21 +275,6 @@ class EndpointPool:
                 await fn()
             except Exception:  # keep the upkeep alive whatever one round does
                 logger.exception("endpoint upkeep failed")
-
-    async def _watch(self) -> None:
-        if self._file_changed():
-            try:
-                self.load()
-            except ConfigError as e:
-                logger.error("%s (keeping the previous endpoints)", e)
-                return
-            await asyncio.gather(
-                *(
-                    self.check(e)
-                    for e in self.endpoints.values()
-                    if not e.healthy and e.failures == 0
-                )
-            )
 
     async def _check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))

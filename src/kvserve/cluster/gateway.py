@@ -187,13 +187,7 @@ class Router:
         self.tokenize_workers = TokenizerWorkers(
             config.tokenize_threads, config.tokenize_max_pending
         )
-        self.pool = EndpointPool(
-            config.endpoints,
-            health=config.health,
-            endpoints_file=config.endpoints_file,
-            file_poll_s=config.endpoints_file_poll_s,
-            upstream_api_key=config.upstream_api_key,
-        )
+        self.pool = EndpointPool.from_config(config)  # static, file and DNS endpoints
         self.pool.on_added.append(self._endpoint_added)
         self.pool.on_removed.append(self._endpoint_removed)
         self.upstream = UpstreamPool(
