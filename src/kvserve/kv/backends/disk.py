@@ -7,7 +7,9 @@ being read, and the rebuild of the index from the slots' headers when an instanc
 the same file. Options (``disk:path=/var/kv,size=64``): ``path`` (directory), ``size`` (GiB or
 ``512MiB``), ``o_direct`` (``auto``: O_DIRECT where the file system allows it, else buffered
 I/O that drops its pages after each slot; ``true``: required; ``false``), ``io_threads``
-(concurrent slot reads/writes within one call).
+(threads reading the slots' headers when the index is rebuilt at start). Reads and writes run
+in the caller's thread: the storage worker owns their concurrency (each of its I/O threads
+reads one contiguous shard of a staging read).
 
 A slot is ``align(codec.stored_bytes, 4096)`` bytes and holds the codec's header and payload,
 payload first::
@@ -35,10 +37,10 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -55,9 +57,6 @@ _KEY_OFFSET = 32
 _KEY_BYTES = 32
 _SUFFIX = ".slots"
 _PREFIX = "kvserve-"
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 def align_up(n: int, a: int = PAGE) -> int:
@@ -195,10 +194,7 @@ class DiskBackend(StorageBackend):
         self._hdr_hi = align_up(self.payload_bytes + HEADER_BYTES)
         self._zeros = mmap.mmap(-1, self._hdr_hi - self._hdr_lo)  # retires a slot's header
         self._tls = threading.local()
-        threads = int(io_threads)
-        self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="kv-disk-io") if threads > 1 else None
-        )
+        self._rebuild_threads = int(io_threads)
         # Index state (under _cond): key -> slot in LRU order (oldest first), free slots, pins of
         # slots being read, keys being written, slots forgotten while pinned.
         self._cond = threading.Condition()
@@ -302,7 +298,11 @@ class DiskBackend(StorageBackend):
                 return None
             return key
 
-        keys = self._map(probe, range(self.num_slots))
+        if self._rebuild_threads > 1 and self.num_slots > 1:
+            with ThreadPoolExecutor(self._rebuild_threads, thread_name_prefix="kv-disk") as pool:
+                keys = list(pool.map(probe, range(self.num_slots)))
+        else:
+            keys = [probe(s) for s in range(self.num_slots)]
         for slot, key in enumerate(keys):
             if key is not None and key not in self._index:
                 self._index[key] = slot
@@ -372,11 +372,14 @@ class DiskBackend(StorageBackend):
         except OSError as e:
             return _SlotRead(False, e)
 
-    def _write_slot(self, slot: int, key: bytes, payload: memoryview) -> OSError | None:
+    def _write_slot(
+        self, slot: int, key: bytes, payload: memoryview, header: bytes | None
+    ) -> OSError | None:
         off = slot * self.slot_bytes
         n = self.payload_bytes
         try:
-            header = self.codec.header(key, payload)
+            if header is None:
+                header = self.codec.header(key, payload)
             if not self.o_direct:
                 pwritev_all(self.fd, [payload, header], off)
                 os.posix_fadvise(self.fd, off, self.slot_bytes, os.POSIX_FADV_DONTNEED)
@@ -418,12 +421,6 @@ class DiskBackend(StorageBackend):
         level = logging.WARNING if e.errno not in self._logged_errnos else logging.DEBUG
         self._logged_errnos.add(e.errno or 0)
         logger.log(level, "disk tier %s: cannot %s: %s", self.path, what, e)
-
-    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        items = list(items)
-        if self._pool is None or len(items) < 2:
-            return [fn(x) for x in items]
-        return list(self._pool.map(fn, items))
 
     def _enter(self) -> bool:
         with self._cond:
@@ -469,7 +466,8 @@ class DiskBackend(StorageBackend):
                     return None
                 return self._read_slot(s, keys[i], memoryview(outs[i]).cast("B"))
 
-            reads = self._map(one, range(n))
+            # In the caller's thread: the storage worker runs one shard of a read per thread.
+            reads = [one(i) for i in range(n)]
             dt = time.perf_counter() - t0
             ok = [r is not None and r.ok for r in reads]
             bad: set[int] = set()
@@ -510,7 +508,12 @@ class DiskBackend(StorageBackend):
         finally:
             self._leave()
 
-    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         n = len(keys)
         if not self._enter():
             self.count(dropped=n)
@@ -547,7 +550,10 @@ class DiskBackend(StorageBackend):
             # In the caller's thread: the storage worker owns write concurrency and runs
             # writes at low CPU priority (a pool thread here would not be).
             errs = [
-                self._write_slot(s, keys[i], memoryview(payloads[i]).cast("B")) for i, s in todo
+                self._write_slot(
+                    s, keys[i], memoryview(payloads[i]).cast("B"), headers and headers[i]
+                )
+                for i, s in todo
             ]
             dt = time.perf_counter() - t0
             failed = []
@@ -626,6 +632,4 @@ class DiskBackend(StorageBackend):
                 return
             self._closed = True
             self._cond.wait_for(lambda: self._inflight == 0)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         os.close(self.fd)  # releases the flock

@@ -8,8 +8,10 @@ root), ``size`` (retention limit, GiB or ``512MiB``: every instance applies it),
 ``sweep_interval`` (seconds between sweeps), ``sweep_after`` (bytes this instance writes that
 bring the next sweep forward; default 5% of ``size``, 0: never), ``fsync`` (flush each file
 before its rename; default off: a crash loses at most recent chunks, and the hash rejects a
-torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file systems),
-``io_threads`` (concurrent files within one call).
+torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file systems).
+Reads and writes run in the caller's thread, one file after the other: the storage worker owns
+the concurrency (its I/O threads each read one contiguous shard of a staging read); the
+``io_threads`` option is accepted for old configurations and ignored.
 
 Layout: ``<path>/<codec.namespace>/<key[0:1].hex()>/<key.hex()>.kvc``, each file being
 ``codec.header(key, payload) + payload``. The namespace separates models, layouts and format
@@ -30,10 +32,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
@@ -52,9 +53,6 @@ TMP_PREFIX = ".tmp-"
 TMP_MAX_AGE_S = 60.0  # a temporary file older than this belongs to a writer that died
 SWEEP_LOW_WATER = 0.9  # a sweep deletes down to this fraction of size
 SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that trigger a sweep early
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 _MISS, _HIT, _CORRUPT = 0, 1, 2
 
@@ -124,10 +122,7 @@ class FsBackend(StorageBackend):
             self._make_dirs()
         except OSError as e:
             raise OSError(e.errno, f"fs tier: cannot create {self.dir}: {e.strerror}") from e
-        threads = int(io_threads)
-        self._pool = (
-            ThreadPoolExecutor(threads, thread_name_prefix="kv-fs-io") if threads > 1 else None
-        )
+        del io_threads  # reads run in the caller's thread (the storage worker shards them)
         self._lock = threading.Lock()
         self._used = 0  # bytes in the namespace at the last sweep
         self._written_since_sweep = 0  # bytes this instance wrote since then
@@ -155,12 +150,6 @@ class FsBackend(StorageBackend):
     def path_of(self, key: bytes) -> str:
         """Where chunk ``key`` lives."""
         return f"{self._dir_s}/{key[:1].hex()}/{key.hex()}{SUFFIX}"
-
-    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        items = list(items)
-        if self._pool is None or len(items) < 2:
-            return [fn(x) for x in items]
-        return list(self._pool.map(fn, items))
 
     def _io_error(self, what: str, e: OSError) -> None:
         self.count(errors=1)
@@ -211,7 +200,9 @@ class FsBackend(StorageBackend):
     def get(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[bool]:
         n = len(keys)
         t0 = time.perf_counter()
-        res = self._map(lambda i: self._read(keys[i], memoryview(outs[i]).cast("B")), range(n))
+        # In the caller's thread: a hand-off per chunk to another pool costs more than the
+        # read of a chunk from the page cache (the storage worker shards reads over threads).
+        res = [self._read(keys[i], memoryview(outs[i]).cast("B")) for i in range(n)]
         dt = time.perf_counter() - t0
         corrupt = 0
         for k, r in zip(keys, res, strict=True):
@@ -232,7 +223,7 @@ class FsBackend(StorageBackend):
         )
         return ok
 
-    def _write(self, key: bytes, payload: memoryview) -> int | OSError:
+    def _write(self, key: bytes, payload: memoryview, header: bytes | None) -> int | OSError:
         path = self.path_of(key)
         try:
             if os.stat(path).st_size == self.stored_bytes:
@@ -247,7 +238,8 @@ class FsBackend(StorageBackend):
             f"{os.urandom(4).hex()}"
         )
         try:
-            header = self.codec.header(key, payload)
+            if header is None:
+                header = self.codec.header(key, payload)
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:  # the namespace was deleted under us: make it again
@@ -269,12 +261,20 @@ class FsBackend(StorageBackend):
             self._unlink(tmp)
             return e
 
-    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         n = len(keys)
         t0 = time.perf_counter()
         # In the caller's thread: the storage worker owns write concurrency and runs writes at
         # low CPU priority (a pool thread here would not be).
-        res = [self._write(keys[i], memoryview(payloads[i]).cast("B")) for i in range(n)]
+        res = [
+            self._write(keys[i], memoryview(payloads[i]).cast("B"), headers and headers[i])
+            for i in range(n)
+        ]
         dt = time.perf_counter() - t0
         written = skipped = 0
         for r in res:
@@ -388,5 +388,3 @@ class FsBackend(StorageBackend):
         self._wake.set()
         if self._sweeper.is_alive() and self._sweeper is not threading.current_thread():
             self._sweeper.join()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)

@@ -294,10 +294,10 @@ class RedisBackend(StorageBackend):
         """The Redis key of chunk ``key``."""
         return self._prefix + key.hex().encode()
 
-    def _value(self, key: bytes, payload: memoryview) -> _StoredChunk:
+    def _value(self, key: bytes, payload: memoryview, header: bytes | None) -> _StoredChunk:
         """Header + payload, sent as one value straight from the caller's buffer."""
         payload = _byte_view(payload)
-        return _StoredChunk(self.codec.header(key, payload), payload)
+        return _StoredChunk(header or self.codec.header(key, payload), payload)
 
     # -- the I/O ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> int:
@@ -399,7 +399,12 @@ class RedisBackend(StorageBackend):
             self._pool.release(conn)
         return bad, failed, nbytes
 
-    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         n = len(keys)
         done = [False] * n
         if not n:
@@ -410,8 +415,9 @@ class RedisBackend(StorageBackend):
         t0 = time.perf_counter()
         try:
             pipe = self._client.pipeline(transaction=False)
-            for key, payload in zip(keys, payloads, strict=True):
-                pipe.set(self.server_key(key), self._value(key, payload), nx=True, ex=self.ttl)
+            for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+                value = self._value(key, payload, headers and headers[i])
+                pipe.set(self.server_key(key), value, nx=True, ex=self.ttl)
             replies = pipe.execute(raise_on_error=False)
         except _IO_ERRORS:
             self.count(errors=1, write_s=time.perf_counter() - t0)

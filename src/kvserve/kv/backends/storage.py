@@ -36,9 +36,16 @@ from kvserve.kv.backends.chunk_format import ChunkCodec
 GiB = 1 << 30
 
 
-def lower_thread_priority() -> None:
-    """Nice the calling thread to 19 (Linux schedules threads individually): background tier
-    work (writes, retention sweeps) must not take cores from a CPU engine's forward pass."""
+def lower_thread_priority(policy: str = "idle") -> None:
+    """Background tier work (writes, retention sweeps) must not take cores from a CPU engine's
+    forward pass. ``idle``: the calling thread runs under ``SCHED_IDLE`` (Linux schedules
+    threads individually): it runs on cores nothing else wants and never preempts the engine's
+    threads when it wakes (a nice-19 thread still does, stalling torch's OpenMP team at its
+    next barrier); where that is refused, or with ``nice``, the thread is niced to 19."""
+    if policy == "idle":
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            return
     # Not Linux, or not permitted: the thread runs at normal priority.
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -100,9 +107,16 @@ class StorageBackend(ABC):
         then hold garbage and must not be used."""
 
     @abstractmethod
-    def put(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> list[bool]:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        headers: Sequence[bytes] | None = None,
+    ) -> list[bool]:
         """Store each payload under its key (skipping keys already held). True when the chunk
-        is in the tier afterwards."""
+        is in the tier afterwards. ``headers``: ``codec.header(key, payload)`` of each chunk,
+        when the caller made them already (the storage worker hashes a chunk once for all its
+        tiers); else the tier makes them."""
 
     @abstractmethod
     def remove(self, keys: Sequence[bytes]) -> None:

@@ -13,6 +13,14 @@ by the offloading connector and reported back through :meth:`poll` (never blocki
 Lookups and reads (requests wait for them) run on one pool of threads, writes on another
 smaller pool behind a bounded queue: a write that finds the queue full is dropped and counted
 (a future miss, never a wait), so a slow tier cannot delay loads or the engine.
+
+Reads: a tier's chunks of one read are split into one contiguous shard per I/O thread, each
+read by ONE ``get`` call in that thread (backends read in the caller's thread: no per-chunk
+hand-off between pools). Writes go in batches of ``write_batch`` chunks, each batch to every
+tier in turn; each chunk's header (its full-content hash) is made once for all tiers. The
+writer threads run under ``SCHED_IDLE`` (on cores the engine leaves idle), may be held to a
+duty cycle (``write_duty``) and paused while the engine computes a step (:meth:`pause_writes`
+/ :meth:`resume_writes`, between two batches).
 """
 
 from __future__ import annotations
@@ -64,18 +72,30 @@ class StorageWorker:
         io_threads: int = 4,
         write_threads: int = 2,
         max_pending_writes: int = 256,  # chunks
-        read_batch: int = 8,  # chunks per get() call (one pipeline / one thread's share)
+        write_batch: int = 4,  # chunks per put() call (one pipeline, one pacing step)
+        write_duty: float = 1.0,
+        writer_policy: str = "idle",
     ) -> None:
         if not tiers:
             raise ValueError("the storage worker needs at least one tier")
+        if not 0.0 < write_duty <= 1.0:
+            raise ValueError(f"write_duty must be in (0, 1], got {write_duty!r}")
         self.tiers = list(tiers)
+        self.io_threads = io_threads
         self.max_pending_writes = max_pending_writes
-        self.read_batch = read_batch
+        self.write_batch = max(1, write_batch)
+        self.write_duty = write_duty
+        # One header (one hash of the payload) per chunk serves every tier of the same codec.
+        codecs = {t.codec for t in self.tiers}
+        self._codec = codecs.pop() if len(codecs) == 1 else None
         self._reads = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-storage-io")
         # Writes run at the lowest CPU priority: on a CPU engine they would otherwise take
         # cores from the forward pass (hashing, copies, syscalls); nobody waits for them.
         self._writes = ThreadPoolExecutor(
-            write_threads, thread_name_prefix="kv-storage-write", initializer=lower_thread_priority
+            write_threads,
+            thread_name_prefix="kv-storage-write",
+            initializer=lower_thread_priority,
+            initargs=(writer_policy,),
         )
         self._cond = threading.Condition()
         self._results: list[StorageResult] = []
@@ -83,6 +103,12 @@ class StorageWorker:
         self._pending_write_chunks = 0
         self._ids = itertools.count(1)
         self._closed = False
+        # Write pacing: writers start a chunk only while the gate is open and not before
+        # _write_at (the duty cycle's next start).
+        self._gate = threading.Event()
+        self._gate.set()
+        self._pace = threading.Lock()
+        self._write_at = 0.0
 
     # -- submission (engine thread) ------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -96,31 +122,28 @@ class StorageWorker:
         return self._lookup(0, list(keys)).sources
 
     def read(self, items: Sequence[ReadItem]) -> int:
-        """Start reading ``items`` into their destinations; returns its op id. A tier's chunks
-        are read in batches of ``read_batch`` (one ``get`` call each), the batches spread over
-        the I/O threads; the result is published when the last batch ends."""
+        """Start reading ``items`` into their destinations; returns its op id. Each tier's
+        chunks are split into contiguous shards, one per I/O thread, each read by one ``get``
+        call; the result is published when the last shard ends."""
         op = next(self._ids)
         items = list(items)
-        groups: list[list[int]] = []
+        by_tier: dict[int, list[int]] = {}
         for i, item in enumerate(items):
-            last = groups[-1] if groups else None
-            if last and items[last[0]].tier == item.tier and len(last) < self.read_batch:
-                last.append(i)
-            else:
-                groups.append([i])
+            by_tier.setdefault(item.tier, []).append(i)
+        shards = [shard for idx in by_tier.values() for shard in split_even(idx, self.io_threads)]
         ok = [False] * len(items)
-        remaining = [len(groups)]
+        remaining = [len(shards)]
         with self._cond:
             if self._closed:
                 raise RuntimeError("storage worker is shut down")
             self._inflight += 1
         t0 = time.perf_counter()
 
-        def run(group: list[int]) -> None:
+        def run(shard: list[int]) -> None:
             try:
-                tier = self.tiers[items[group[0]].tier]
-                got = tier.get([items[i].key for i in group], [items[i].dest for i in group])
-                for i, g in zip(group, got, strict=True):
+                tier = self.tiers[items[shard[0]].tier]
+                got = tier.get([items[i].key for i in shard], [items[i].dest for i in shard])
+                for i, g in zip(shard, got, strict=True):
                     ok[i] = bool(g)
             except Exception:  # a tier bug: these chunks are misses
                 logger.exception("KV storage read %d failed", op)
@@ -137,13 +160,13 @@ class StorageWorker:
                 )
                 self._cond.notify_all()
 
-        if not groups:
+        if not shards:
             with self._cond:
                 self._inflight -= 1
                 self._results.append(StorageResult(op, "read"))
                 self._cond.notify_all()
-        for g in groups:
-            self._reads.submit(run, g)
+        for shard in shards:
+            self._reads.submit(run, shard)
         return op
 
     def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int | None:
@@ -185,6 +208,33 @@ class StorageWorker:
                 self._cond.notify_all()
 
         pool.submit(run)
+
+    # -- write pacing (any thread) ----------------------------------------------------------
+    def pause_writes(self) -> None:
+        """Hold writers before their next chunk (the engine is about to compute a step: on a
+        CPU engine a writer taking a core stalls the forward's threads)."""
+        self._gate.clear()
+
+    def resume_writes(self) -> None:
+        """Let writers run again (the step's compute ended)."""
+        self._gate.set()
+
+    def _paced(self) -> None:
+        """Wait for the gate and the duty cycle before writing a chunk (writer threads)."""
+        # Bounded: a step that never ends (or a gate never reopened) must not lose writes.
+        self._gate.wait(1.0)
+        if self.write_duty < 1.0:
+            with self._pace:
+                wait = self._write_at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+
+    def _spent(self, seconds: float) -> None:
+        """A writer spent ``seconds`` on a chunk: the duty cycle's idle time follows."""
+        if self.write_duty < 1.0:
+            with self._pace:
+                now = time.perf_counter()
+                self._write_at = max(self._write_at, now) + seconds * (1 / self.write_duty - 1)
 
     # -- collection (engine thread) ------------------------------------------------------------
     def poll(self) -> list[StorageResult]:
@@ -228,11 +278,35 @@ class StorageWorker:
         return StorageResult(op, "lookup", sources=sources)
 
     def _write(self, op: int, keys: list[bytes], payloads: list[memoryview]) -> StorageResult:
-        present = [False] * len(keys)
-        stored: dict[int, list[bytes]] = {}
-        for t, tier in enumerate(self.tiers):
-            res = tier.put(keys, payloads)
-            stored[t] = [k for k, r in zip(keys, res, strict=True) if r]
-            present = [p or bool(r) for p, r in zip(present, res, strict=True)]
+        n = len(keys)
+        present = [False] * n
+        stored: dict[int, list[bytes]] = {t: [] for t in range(len(self.tiers))}
+        for lo in range(0, n, self.write_batch):
+            hi = min(n, lo + self.write_batch)
+            self._paced()
+            t0 = time.perf_counter()
+            codec = self._codec
+            headers = None if codec is None else [
+                codec.header(keys[i], payloads[i]) for i in range(lo, hi)
+            ]  # fmt: skip
+            for t, tier in enumerate(self.tiers):
+                res = tier.put(keys[lo:hi], payloads[lo:hi], headers)
+                for i, r in zip(range(lo, hi), res, strict=True):
+                    if r:
+                        stored[t].append(keys[i])
+                        present[i] = True
+            self._spent(time.perf_counter() - t0)
         nbytes = sum(len(p) for p in payloads)
         return StorageResult(op, "write", ok=present, stored=stored, nbytes=nbytes)
+
+
+def split_even(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` in at most ``parts`` contiguous, non-empty shards of sizes differing by <= 1."""
+    parts = max(1, min(parts, len(items)))
+    q, r = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + q + (p < r)
+        out.append(items[start:end])
+        start = end
+    return out
