@@ -122,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoints-dns-interval", type=float, metavar="S", help="DNS re-resolution period (5)"
     )
+    parser.add_argument(
+        "--epp",
+        action="store_true",
+        help="also serve as a Gateway API Inference Extension Endpoint Picker: Envoy's ext_proc "
+        "gRPC service (and gRPC health) on --epp-port",
+    )
+    parser.add_argument("--epp-port", type=int, help="the EPP's gRPC port (default 9002)")
     parser.add_argument("--tokenizer", help="model directory whose tokenizer the router uses")
     parser.add_argument("--block-size", type=int, help="block size of the routing history")
     parser.add_argument("--prefix-hash-seed", help="seed of the router's block keys")
@@ -200,6 +207,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         if value:  # replace(): the index config checks the key file
             cfg.index = dataclasses.replace(cfg.index, **{flag: value})
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
+    if getattr(args, "epp_port", None) is not None:
+        cfg.epp_port = args.epp_port
+    elif getattr(args, "epp", False) and cfg.epp_port is None:
+        cfg.epp_port = 9002
     cfg.endpoints_dns = cfg.endpoints_dns + list(getattr(args, "endpoints_dns", None) or [])
     if getattr(args, "endpoints_dns_interval", None) is not None:
         cfg.endpoints_dns_poll_s = args.endpoints_dns_interval
@@ -255,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvserve route: {e}", file=sys.stderr)
         return 2
+    if cfg.epp_port is not None:  # the same core, also behind Envoy's ext_proc
+        from kvserve.cluster.epp.server import serve_forever
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(serve_forever(router))

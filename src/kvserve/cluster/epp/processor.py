@@ -1,0 +1,414 @@
+"""One ext_proc stream: Envoy's view of one HTTP request, answered with an endpoint pick.
+
+Owns the message sequence of ``envoy.service.ext_proc.v3.ExternalProcessor/Process`` for
+the body modes Envoy announces in ``protocol_config``:
+
+- ``FULL_DUPLEX_STREAMED`` (the Inference Extension's mode): headers and body chunks arrive
+  without waiting; at the end of the body the pick goes out as the headers response, then
+  the body is echoed back (``streamed_response``, pieces of at most ``ECHO_CHUNK`` bytes:
+  what the processor does not send back, the upstream does not get);
+- ``BUFFERED`` (and ``BUFFERED_PARTIAL``): headers are continued as they are, the whole body
+  arrives in one message and the pick rides on the body response (headers are held until
+  then);
+- ``STREAMED`` with ``send_body_without_waiting_for_header_response``: chunks arrive while
+  the headers wait; the pick goes out with the headers response, then each chunk is
+  continued. Without that option (or a request without a body) the pick is made on the
+  headers alone.
+
+The pick is the ordered fallback list ``ip:port,...`` in the request header
+``x-gateway-destination-endpoint`` and in the dynamic metadata ``envoy.lb`` (the same value).
+Errors are immediate responses with an OpenAI-style body: 400 (bad JSON), 404 (unknown
+model), 413 (body over the limit), 429 (every candidate at its limit: shed), 503 (no ready
+endpoint, or none in the gateway's subset hint).
+
+The response path teaches the scheduling core where the request was served: the metadata
+``envoy.lb`` / ``x-gateway-destination-endpoint-served`` when the gateway reports it, else
+the ``upstream.address`` attribute. The picked endpoint's in-flight count moves there, and is
+released at the end of the response or when the stream ends or breaks, whichever is first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from kvserve.cluster.filters import NoEndpointError
+from kvserve.cluster.routing_request import RoutingRequest
+from kvserve.cluster.tokenization import BadRequestError
+
+if TYPE_CHECKING:
+    from kvserve.cluster.endpoints import Endpoint
+    from kvserve.cluster.epp.server import EndpointPicker
+
+logger = logging.getLogger(__name__)
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+ENDPOINT_RESPONSE_HEADER = "x-kvserve-endpoint"  # who served it, as the HTTP router says
+ECHO_CHUNK = 60 << 10  # body echoed back in pieces of at most this (Envoy's own are ~62 KB)
+_EXT_PROC_ATTRS = "envoy.filters.http.ext_proc"
+
+_Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+STREAMED = _Mode.STREAMED
+BUFFERED = _Mode.BUFFERED
+BUFFERED_PARTIAL = _Mode.BUFFERED_PARTIAL
+NONE = _Mode.NONE
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_CONTINUE = pb.CommonResponse()
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+_COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+
+
+def _header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
+        append_action=_OVERWRITE,
+    )
+
+
+def immediate(
+    status: int, message: str, etype: str, code: str | None = None, retry_after: int | None = None
+) -> pb.ProcessingResponse:
+    """An ImmediateResponse with an OpenAI-style error body."""
+    body = {"error": {"message": message, "type": etype, "param": None, "code": code}}
+    headers = [_header_value("content-type", "application/json")]
+    if retry_after is not None:
+        headers.append(_header_value("retry-after", str(retry_after)))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=headers),
+            body=_json_encode(body),
+            details=f"kvserve_epp_{status}",
+        )
+    )
+
+
+class Pick:
+    """What the EPP answered: the fallback list and the request as the core saw it."""
+
+    __slots__ = ("value", "mutation", "metadata")
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.value = ",".join(addresses)
+        self.mutation = pb.HeaderMutation(
+            set_headers=[_header_value(DESTINATION_HEADER, self.value)]
+        )
+        self.metadata = struct_pb2.Struct()
+        self.metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: self.value}})
+
+
+class ExtProcStream:
+    """The state of one ``Process`` stream (one HTTP request through Envoy)."""
+
+    def __init__(self, epp: EndpointPicker) -> None:
+        self.epp = epp
+        self.request_mode = BUFFERED  # assumed when Envoy sends no protocol_config
+        self.response_mode = NONE
+        self.body_early = False  # send_body_without_waiting_for_header_response
+        self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.body_len = 0
+        self.chunks = 0  # STREAMED chunks received and not answered
+        self.headers_answered = False
+        self.picked = False
+        self.req: RoutingRequest | None = None
+        self.counted: Endpoint | None = None  # holds one in-flight count of it
+        self.t_pick = 0.0
+        self.served_learned = False
+
+    # ------------------------------------------------------------------ request path
+
+    async def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """The responses to one message from Envoy, in order."""
+        if msg.HasField("protocol_config"):
+            cfg = msg.protocol_config
+            self.request_mode = cfg.request_body_mode
+            self.response_mode = cfg.response_body_mode
+            self.body_early = cfg.send_body_without_waiting_for_header_response
+        kind = msg.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._request_headers(msg)
+        if kind == "request_body":
+            return await self._request_body(msg)
+        if kind == "request_trailers":
+            out = []
+            if not self.picked:
+                out = await self._finish_request(msg, end_of_stream=False)
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_headers":
+            return self._response_headers(msg)
+        if kind == "response_body":
+            return self._response_body(msg.response_body)
+        if kind == "response_trailers":
+            self.release()
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    async def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        for h in msg.request_headers.headers.headers:
+            self.headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        mode = self.request_mode
+        deferred = mode == FULL_DUPLEX or (mode == STREAMED and self.body_early)
+        if msg.request_headers.end_of_stream or mode in (NONE, STREAMED) and not deferred:
+            # No body, or none the EPP will see before the headers must go: pick on headers.
+            result = await self._pick(msg, b"")
+            if isinstance(result, pb.ProcessingResponse):
+                return [result]
+            self.headers_answered = True
+            return [self._headers_response(result)]
+        if deferred:
+            return []
+        self.headers_answered = True  # BUFFERED: held by Envoy until the body's answer
+        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=_CONTINUE))]
+
+    async def _request_body(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        b = msg.request_body
+        if self.picked:  # STREAMED after a pick on headers: pass the chunk on
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))]
+        if b.body:
+            self.body.append(b.body)
+            self.body_len += len(b.body)
+            if self.body_len > self.epp.max_body_bytes:
+                self.epp.core.metrics.rejected_of(413).inc()
+                return [
+                    immediate(
+                        413, f"request body over the limit of {self.epp.max_body_bytes} bytes",
+                        "invalid_request_error",
+                    )
+                ]  # fmt: skip
+        self.chunks += 1
+        if b.end_of_stream or self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
+            return await self._finish_request(msg, end_of_stream=True)
+        return []
+
+    async def _finish_request(
+        self, msg: pb.ProcessingRequest, end_of_stream: bool
+    ) -> list[pb.ProcessingResponse]:
+        """The whole body is here: pick, then answer what Envoy waits for."""
+        data = b"".join(self.body)
+        result = await self._pick(msg, data)
+        if isinstance(result, pb.ProcessingResponse):
+            return [result]
+        if self.headers_answered:  # BUFFERED: the headers are still held; mutate them now
+            common = pb.CommonResponse(header_mutation=result.mutation)
+            return [
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=common),
+                    dynamic_metadata=result.metadata,
+                )
+            ]
+        self.headers_answered = True
+        out = [self._headers_response(result)]
+        if self.request_mode == FULL_DUPLEX:
+            out += _echo(data, end_of_stream, request=True)
+        else:  # STREAMED: continue every chunk as it came
+            out += [
+                pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))
+                for _ in range(self.chunks)
+            ]
+        self.body = []
+        self.chunks = 0
+        return out
+
+    @staticmethod
+    def _headers_response(pick: Pick) -> pb.ProcessingResponse:
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=pick.mutation)
+            ),
+            dynamic_metadata=pick.metadata,
+        )
+
+    async def _pick(self, msg: pb.ProcessingRequest, data: bytes) -> Pick | pb.ProcessingResponse:
+        """Ask the scheduling core; a :class:`Pick`, or an immediate error response."""
+        epp = self.epp
+        core = epp.core
+        metrics = core.metrics
+        t0 = time.perf_counter()
+        self.picked = True
+        path = self.headers.get(":path", "/").partition("?")[0]
+        chat = _COMPLETION_PATHS.get(path)
+        endpoints = list(core.pool.endpoints.values())
+        subset = _subset_hint(msg)
+        if subset is not None:
+            endpoints = [e for e in endpoints if epp.address_of(e) in subset]
+            if not endpoints:
+                metrics.rejected_of(503).inc()
+                return immediate(
+                    503, "no endpoint of the gateway's subset hint is known to the picker",
+                    "service_unavailable", retry_after=core.config.retry_after_s,
+                )  # fmt: skip
+        try:
+            if chat is None or not data:  # not a completion (or no body): pick by load
+                req = RoutingRequest(seed=core.config.prefix_hash_seed)
+                decision = core.scheduler.schedule(req, endpoints)
+            else:
+                try:
+                    body = _json_decode(data)
+                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                    metrics.rejected_of(400).inc()
+                    return immediate(400, "request body is not valid JSON", "invalid_request_error")
+                if not isinstance(body, dict):
+                    metrics.rejected_of(400).inc()
+                    return immediate(
+                        400, "request body must be a JSON object", "invalid_request_error"
+                    )
+                session = self.headers.get(epp.session_header)
+                req, decision = await core.decide(body, chat, session, endpoints, split=False)
+        except BadRequestError as e:
+            metrics.rejected_of(400).inc()
+            return immediate(400, str(e), "invalid_request_error")
+        except NoEndpointError as e:
+            metrics.rejected_of(e.status).inc()
+            if e.status == 404:
+                return immediate(404, e.message, "invalid_request_error", "model_not_found")
+            return immediate(
+                e.status, e.message, "service_unavailable", retry_after=core.config.retry_after_s
+            )
+        ranked = [e for e in decision.ranked if e.healthy][: core.config.max_attempts]
+        ranked = [e for e in ranked if e.in_flight < epp.max_in_flight] or []
+        if not ranked:
+            metrics.rejected_of(429).inc()
+            return immediate(
+                429,
+                "every endpoint is at its limit of requests in flight; retry later",
+                "rate_limit_exceeded",
+                retry_after=core.config.retry_after_s,
+            )
+        first = ranked[0]
+        first.in_flight += 1
+        self.counted = first
+        self.req = req
+        core.scheduler.observe(req, first)
+        self.t_pick = time.perf_counter()
+        metrics.decisions_of(decision.reason).inc()
+        metrics.routing_time.observe(self.t_pick - t0)
+        return Pick([epp.address_of(e) for e in ranked])
+
+    # ------------------------------------------------------------------ response path
+
+    def _response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        status = 0
+        for h in msg.response_headers.headers.headers:
+            if h.key == ":status":
+                status = int((h.raw_value or h.value.encode()).decode() or 0)
+        core = self.epp.core
+        served = self._learn_served(msg)
+        if served is None and self.counted is not None:
+            if status in (502, 503, 504):
+                # No upstream answered (Envoy's own reply: refused, reset): check it now.
+                core.pool.probe_soon(self.counted)
+            elif not self._reported(msg):
+                served = self.counted  # the gateway reports nothing: assume the pick served
+        mutation = None
+        if served is not None:
+            served.answered_at = time.monotonic()
+            core.metrics.requests_of(served.name, status).inc()
+            core.metrics.first_byte_of(served.name).observe(time.perf_counter() - self.t_pick)
+            mutation = pb.HeaderMutation(
+                set_headers=[_header_value(ENDPOINT_RESPONSE_HEADER, served.name)]
+            )
+        if msg.response_headers.end_of_stream:
+            self.release()
+        return [
+            pb.ProcessingResponse(
+                response_headers=pb.HeadersResponse(
+                    response=pb.CommonResponse(header_mutation=mutation)
+                )
+            )
+        ]
+
+    @staticmethod
+    def _served_address(msg: pb.ProcessingRequest) -> str:
+        lb = msg.metadata_context.filter_metadata.get(LB_NAMESPACE)
+        if lb is not None and SERVED_KEY in lb.fields:
+            return lb.fields[SERVED_KEY].string_value
+        if _EXT_PROC_ATTRS in msg.attributes:
+            value = msg.attributes[_EXT_PROC_ATTRS].fields.get("upstream.address")
+            if value is not None:
+                return value.string_value
+        return ""
+
+    @staticmethod
+    def _reported(msg: pb.ProcessingRequest) -> bool:
+        """Whether the gateway reports served endpoints at all (metadata or attribute)."""
+        lb = msg.metadata_context.filter_metadata.get(LB_NAMESPACE)
+        return (lb is not None and SERVED_KEY in lb.fields) or _EXT_PROC_ATTRS in msg.attributes
+
+    def _learn_served(self, msg: pb.ProcessingRequest) -> Endpoint | None:
+        """The endpoint that served the request, if reported (the in-flight count moves
+        there when it is not the pick)."""
+        address = self._served_address(msg)
+        if not address:
+            return None
+        served = self.epp.endpoint_at(address)
+        if served is None or self.counted is None:
+            return served
+        if served is not self.counted:  # Envoy went elsewhere (a fallback): follow it
+            self.counted.in_flight -= 1
+            served.in_flight += 1
+            self.counted = served
+            self.epp.core.metrics.decisions_of("failover").inc()
+            if self.req is not None:
+                self.epp.core.scheduler.observe(self.req, served)
+        return served
+
+    def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if b.end_of_stream:
+            self.release()
+        if self.response_mode == FULL_DUPLEX:
+            return _echo(b.body, b.end_of_stream, request=False)
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=_CONTINUE))]
+
+    def release(self) -> None:
+        """Give back the in-flight count (idempotent: response end, or stream end/break)."""
+        ep, self.counted = self.counted, None
+        if ep is not None:
+            ep.in_flight -= 1
+            self.epp.core.metrics.latency_of(ep.name).observe(time.perf_counter() - self.t_pick)
+
+
+def _echo(data: bytes, end_of_stream: bool, request: bool) -> list[pb.ProcessingResponse]:
+    """``data`` sent back in streamed-response pieces (the full-duplex body contract)."""
+    pieces = [data[i : i + ECHO_CHUNK] for i in range(0, len(data), ECHO_CHUNK)] or [b""]
+    out = []
+    for i, piece in enumerate(pieces):
+        last = end_of_stream and i == len(pieces) - 1
+        mutation = pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=piece, end_of_stream=last)
+        )
+        body = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+        out.append(
+            pb.ProcessingResponse(request_body=body)
+            if request
+            else pb.ProcessingResponse(response_body=body)
+        )
+    return out
+
+
+def _subset_hint(msg: pb.ProcessingRequest) -> set[str] | None:
+    """The gateway's subset hint (``ip:port`` strings), or None when it gave none."""
+    ns = msg.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET_KEY not in ns.fields:
+        return None
+    value: Any = ns.fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return {v.string_value for v in value.list_value.values}
+    if kind == "string_value":
+        return {s.strip() for s in value.string_value.split(",") if s.strip()}
+    return set()

@@ -1,0 +1,161 @@
+"""`kvserve route --epp`: the router as a Gateway API Inference Extension Endpoint Picker.
+
+Owns the gRPC side: ``envoy.service.ext_proc.v3.ExternalProcessor`` (one
+:class:`~kvserve.cluster.epp.processor.ExtProcStream` per HTTP request through the gateway)
+and the gRPC Health Checking service, on ``grpc.aio`` in the router's own event loop, so the
+ext_proc streams share the scheduling core (the :class:`~kvserve.cluster.gateway.Router`:
+endpoint pool, KV index and its event subscribers, history, scheduler, metrics) with the
+HTTP front end, which keeps serving ``/metrics``, ``/health`` and ``/router/state`` (and the
+OpenAI API) on the router's HTTP port.
+
+Health: ``liveness`` is SERVING while the process runs; ``readiness``, the overall service
+``""`` and ``envoy.service.ext_proc.v3.ExternalProcessor`` are NOT_SERVING until the core
+has checked every endpoint once (its view of the endpoints is synced), then SERVING, and
+NOT_SERVING again while the process stops.
+
+Endpoints are ``ip:port`` (the host and port of each endpoint URL: one per data-parallel
+rank / target port); the gateway connects to them directly, so their hosts should be IP
+addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvserve.cluster.endpoints import Endpoint
+from kvserve.cluster.epp.processor import ExtProcStream
+from kvserve.cluster.gateway import Router
+
+logger = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS, READINESS = "liveness", "readiness"
+DEFAULT_EPP_PORT = 9002
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class _Processor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, epp: EndpointPicker) -> None:
+        self.epp = epp
+
+    async def Process(  # noqa: N802 - the gRPC method's name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = ExtProcStream(self.epp)
+        self.epp.streams += 1
+        try:
+            async for msg in request_iterator:
+                for out in await stream.handle(msg):
+                    yield out
+        finally:  # the request ended, or Envoy (or its connection) went away
+            stream.release()
+            self.epp.streams -= 1
+
+
+def endpoint_address(ep: Endpoint) -> str:
+    """``ip:port`` of an endpoint as the gateway connects to it."""
+    host = ep.origin.host
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{ep.origin.port}"
+
+
+class EndpointPicker:
+    """The ext_proc and health gRPC services around a :class:`Router` (the scheduling core)."""
+
+    def __init__(self, core: Router, host: str | None = None, port: int | None = None) -> None:
+        self.core = core
+        cfg = core.config
+        self.host = cfg.host if host is None else host
+        self.port = (cfg.epp_port or DEFAULT_EPP_PORT) if port is None else port
+        self.max_body_bytes = cfg.max_body_bytes
+        # Shed (429) past the router's own per-endpoint limits: connections + queue.
+        self.max_in_flight = cfg.max_connections_per_endpoint + cfg.max_queue_per_endpoint
+        self.session_header = cfg.session_header.lower()
+        self.streams = 0  # ext_proc streams open
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._addresses: dict[str, Endpoint] = {}
+        core.pool.on_added.append(self._added)
+        core.pool.on_removed.append(self._removed)
+
+    def _added(self, ep: Endpoint) -> None:
+        self._addresses[endpoint_address(ep)] = ep
+
+    def _removed(self, ep: Endpoint) -> None:
+        if self._addresses.get(endpoint_address(ep)) is ep:
+            del self._addresses[endpoint_address(ep)]
+
+    def address_of(self, ep: Endpoint) -> str:
+        return endpoint_address(ep)
+
+    def endpoint_at(self, address: str) -> Endpoint | None:
+        return self._addresses.get(address)
+
+    async def _set_ready(self, ready: bool) -> None:
+        status = _SERVING if ready else _NOT_SERVING
+        for service in ("", READINESS, EXT_PROC_SERVICE):
+            await self.health.set(service, status)
+
+    async def start(self) -> int:
+        """Listen (not ready), start the core (router and its HTTP port), then be ready.
+        Returns the bound gRPC port (``port=0``: a free one)."""
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 2 * self.max_body_bytes),
+                ("grpc.max_send_message_length", 2 * self.max_body_bytes),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {self.host}:{self.port} (gRPC)")
+        self.port = bound
+        await self.health.set(LIVENESS, _SERVING)
+        await self._set_ready(False)
+        await self._server.start()
+        await self.core.start()  # returns once every endpoint was checked once
+        await self._set_ready(True)
+        return bound
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self._set_ready(False)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+        await self.core.stop()
+
+
+async def serve_forever(core: Router) -> None:
+    epp = EndpointPicker(core)
+    await epp.start()
+    gc.collect()
+    gc.freeze()
+    logger.warning(
+        "kvserve route --epp: ext_proc on %s:%s, HTTP on %s:%s",
+        epp.host,
+        epp.port,
+        core.config.host,
+        core.port,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await epp.stop()

@@ -1,0 +1,277 @@
+"""The router as an Endpoint Picker behind a real Envoy: Envoy -> `kvserve route --epp` -> two
+real `kvserve serve` engines (tiny model). One cluster per module; the HTTP router of the
+local cluster runs beside the EPP on the same engines (both index their KV events), so the
+two front ends of the one scheduling core can be compared. Tests run in file order: the last
+ones kill engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.bench.envoy import SUBSET_HEADER, Envoy, EnvoySpec
+from kvserve.bench.local_cluster import ClusterSpec, LocalCluster, free_port
+from kvserve.cluster.config import EndpointSpec, HealthConfig, RouterConfig
+from kvserve.cluster.epp.server import EXT_PROC_SERVICE, EndpointPicker
+from kvserve.cluster.gateway import Router
+from tests.cluster.processes import router_process
+
+pytestmark = pytest.mark.slow
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class EppProcess:
+    """`kvserve route --epp-port P` on the cluster's engines; restartable on the same port."""
+
+    def __init__(self, cluster: LocalCluster, tmp: Path) -> None:
+        argv = list(cluster.router.popen.args)  # the cluster router's own endpoint flags
+        self.args = ["--tokenizer", cluster.spec.model_dir]
+        for i, a in enumerate(argv):
+            if a == "--endpoint":
+                self.args += ["--endpoint", argv[i + 1]]
+        self.grpc_port = free_port()
+        self.tmp = tmp
+        self._stack: contextlib.ExitStack | None = None
+        self.url = ""
+
+    def start(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self.url = self._stack.enter_context(
+            router_process(self.tmp, {}, *self.args, "--epp-port", str(self.grpc_port))
+        )
+
+    def stop(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+    def state(self) -> dict[str, dict]:
+        r = httpx.get(self.url + "/router/state", timeout=10, trust_env=False)
+        return {e["name"]: e for e in r.json()["endpoints"]}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[LocalCluster, EppProcess, Envoy]]:
+    tmp = tmp_path_factory.mktemp("epp")
+    spec = ClusterSpec(
+        model_dir=str(tiny_model_dir),
+        num_engines=2,
+        engine_args=["--num-kv-blocks", "256", "--num-threads", "1"],
+        log_dir=str(tmp),
+    )
+    with LocalCluster(spec) as cluster:
+        epp = EppProcess(cluster, tmp)
+        epp.start()
+        try:
+            with Envoy(EnvoySpec(("127.0.0.1", epp.grpc_port)), tmp) as envoy:
+                yield cluster, epp, envoy
+        finally:
+            epp.stop()
+
+
+def _complete(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/completions", json=body, headers=headers, timeout=60, trust_env=False
+    )
+
+
+def _served(r: httpx.Response) -> tuple[str, int]:
+    assert r.status_code == 200, r.text
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return r.headers["x-kvserve-endpoint"], details.get("cached_tokens", 0)
+
+
+def _health(port: int, service: str) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def test_health_services_serving_once_synced(stack):
+    _, epp, _ = stack
+    for service in ("liveness", "readiness", EXT_PROC_SERVICE, ""):
+        assert _health(epp.grpc_port, service) == SERVING
+
+
+def test_readiness_waits_for_the_endpoint_view(tmp_path):
+    """In process, real sockets: an endpoint that accepts but does not answer keeps the
+    first health round (and so readiness) pending; liveness is SERVING from the start."""
+
+    async def run() -> None:
+        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        cfg = RouterConfig(
+            port=0,
+            endpoints=[EndpointSpec(url=f"http://127.0.0.1:{port}", model="m")],
+            health=HealthConfig(timeout_s=3.0),
+        )
+        epp = EndpointPicker(Router(cfg), port=0)
+        starting = asyncio.create_task(epp.start())
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if epp._server is not None and epp.port:
+                break
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            async def status(s: str) -> int:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)
+                return r.status
+
+            assert await status("liveness") == SERVING
+            assert await status("readiness") == NOT_SERVING
+            assert await status(EXT_PROC_SERVICE) == NOT_SERVING
+            await asyncio.wait_for(starting, 30)  # the check timed out: the view is synced
+            assert await status("readiness") == SERVING
+        await epp.stop()
+        silent.close()
+
+    asyncio.run(run())
+
+
+def test_sessions_land_where_their_prefix_is_as_through_the_http_router(stack):
+    cluster, _, envoy = stack
+    rng = random.Random(1)
+    sessions = [[rng.randrange(10, 2000) for _ in range(96)] for _ in range(8)]
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    first = {
+        i: _served(_complete(envoy.url, {**body, "prompt": p}))[0] for i, p in enumerate(sessions)
+    }
+    assert len(set(first.values())) == 2, "cold sessions should spread over both engines"
+    time.sleep(1.0)  # KV events reach both indexes
+    for i, p in enumerate(sessions):
+        turn2 = p + [rng.randrange(10, 2000) for _ in range(20)]
+        endpoint, cached = _served(_complete(envoy.url, {**body, "prompt": turn2}))
+        assert endpoint == first[i], f"session {i} moved from {first[i]} to {endpoint}"
+        assert cached >= 80  # 5 of its 6 full blocks
+        # The HTTP router (same core, its own process) sends the next turn to the same engine.
+        turn3 = turn2 + [rng.randrange(10, 2000) for _ in range(20)]
+        r = _complete(cluster.router_url, {**body, "prompt": turn3})
+        assert _served(r)[0] == first[i]
+
+
+def test_bad_json_gets_an_openai_error_from_the_picker(stack):
+    _, _, envoy = stack
+    r = httpx.post(envoy.url + "/v1/completions", content=b'{"model": ', timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "JSON" in r.json()["error"]["message"]
+
+
+def _stream(url: str, body: dict) -> tuple[list[bytes], int]:
+    """The SSE events of a streamed completion, and how many reads the client made."""
+    data, reads = b"", 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60, trust_env=False) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for piece in r.iter_raw():
+            reads += 1
+            data += piece
+    return [ln for ln in data.split(b"\n") if ln.startswith(b"data: ")], reads
+
+
+def test_streaming_arrives_token_by_token(stack):
+    _, _, envoy = stack
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 24, "stream": True}
+    body.update(temperature=0, ignore_eos=True, stream_options={"include_usage": True})
+    events, reads = _stream(envoy.url, body)
+    assert events[-1] == b"data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 24
+    assert len(events) >= 16  # about one event per token (detokenizing may merge a few)
+    assert reads >= len(events) // 2, "the stream was held back, not relayed as it came"
+
+
+def test_a_1mb_body_passes_intact(stack):
+    """1 MB of token ids: the engine counts every one of them, exactly as when asked directly."""
+    cluster, _, envoy = stack
+    rng = random.Random(2)
+    ids = [rng.randrange(100000, 999999) for _ in range(140_000)]
+    data = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1}).encode()
+    assert len(data) >= 1 << 20
+    headers = {"content-type": "application/json"}
+    via = httpx.post(envoy.url + "/v1/completions", content=data, headers=headers, timeout=60)
+    direct = httpx.post(
+        cluster.engine_urls[0] + "/v1/completions", content=data, headers=headers, timeout=60
+    )
+    assert via.status_code == direct.status_code == 400
+    assert via.json() == direct.json()
+    assert f"has {len(ids)} tokens" in via.json()["error"]["message"]
+
+
+def test_subset_hint_is_honoured(stack):
+    cluster, epp, envoy = stack
+    names = {e["url"].removeprefix("http://"): n for n, e in epp.state().items()}
+    prompt = [random.Random(3).randrange(10, 2000) for _ in range(64)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    home = _served(_complete(envoy.url, body))[0]
+    time.sleep(0.5)
+    other = next(a for a, n in names.items() if n != home)
+    for _ in range(3):  # the prefix is on `home`, the hint allows only `other`
+        r = _complete(envoy.url, body, headers={SUBSET_HEADER: other})
+        assert _served(r)[0] == names[other]
+    r = _complete(envoy.url, body, headers={SUBSET_HEADER: "10.255.255.1:1"})
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+
+
+def test_envoy_recovers_when_the_picker_restarts(stack):
+    _, epp, envoy = stack
+    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 2}
+    epp.stop()
+    r = _complete(envoy.url, body)
+    assert r.status_code >= 500  # fail closed while it is down
+    epp.start()  # same gRPC port
+    deadline = time.monotonic() + 60
+    while True:
+        r = _complete(envoy.url, body)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, r.text
+    assert _health(epp.grpc_port, "readiness") == SERVING
+
+
+def test_a_killed_engine_is_no_longer_picked_and_nothing_leaks(stack):
+    cluster, epp, envoy = stack
+    victim = cluster.engines[0]
+    os.killpg(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait()
+    deadline = time.monotonic() + 60
+    while epp.state()[victim.name]["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not epp.state()[victim.name]["healthy"]
+    rng = random.Random(4)
+    for _ in range(8):
+        body = {"model": "tiny", "prompt": [rng.randrange(10, 2000) for _ in range(40)]}
+        r = _complete(envoy.url, {**body, "max_tokens": 2})
+        assert _served(r)[0] != victim.name
+    assert all(e["in_flight"] == 0 for e in epp.state().values())
+
+
+def test_no_ready_endpoint_gives_503_with_a_clear_body(stack):
+    cluster, epp, envoy = stack
+    for p in cluster.engines:
+        if p.popen.poll() is None:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+            p.popen.wait()
+    deadline = time.monotonic() + 60
+    while any(e["healthy"] for e in epp.state().values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    r = _complete(envoy.url, {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["type"] == "service_unavailable" and err["message"]
+    assert r.headers.get("retry-after") == "1"
