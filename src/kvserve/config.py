@@ -202,6 +202,18 @@ class ServerConfig:
     tokenizer_workers: int = 1  # processes tokenizing large prompts off the loop (0: inline)
 
 
+@dataclass
+class ParallelConfig:
+    """Data-parallel ranks of one server (kvserve.server.data_parallel) and expert parallelism
+    across them (kvserve.engine.parallel)."""
+
+    data_parallel_size: int = 1  # engine ranks, one process each, on ports port..port+N-1
+    enable_expert_parallel: bool = False  # shard MoE experts over the ranks (torch.distributed)
+    data_parallel_rank: int | None = None  # set by the supervisor in each rank's process
+    data_parallel_master_port: int = 0  # torch.distributed rendezvous port (0: a free one)
+    data_parallel_backend: str = "auto"  # auto | gloo | nccl (auto: nccl on CUDA, gloo on CPU)
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI derivation
 
@@ -253,6 +265,7 @@ def replace(cfg: Any, **changes: Any) -> Any:
 __all__ = [
     "EngineConfig",
     "ServerConfig",
+    "ParallelConfig",
     "GiB",
     "add_dataclass_args",
     "from_args",

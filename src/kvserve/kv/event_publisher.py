@@ -66,6 +66,7 @@ class ZmqEventPublisher:
         send_hwm: int = 100_000,
         curve_secret_key: str | None = None,
         curve_allowed_clients: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> None:
         if buffer_size < 1:
             raise ValueError("buffer_size must be >= 1")
@@ -85,6 +86,7 @@ class ZmqEventPublisher:
         else:
             self._ctx = zmq.Context.instance()
         self.topic = topic.encode("utf-8")
+        self.data_parallel_rank = data_parallel_rank  # set in every batch (a DP rank's events)
         self.buffer_size = buffer_size
         self._requested = (endpoint, replay_endpoint)
         self._send_hwm = send_hwm
@@ -235,7 +237,7 @@ class ZmqEventPublisher:
 
     def _send(self, pub: zmq.Socket, ts: float, events: list[AnyKVEvent]) -> None:
         try:
-            payload = encode_batch(events, ts=ts)
+            payload = encode_batch(events, ts=ts, data_parallel_rank=self.data_parallel_rank)
         except Exception:
             logger.exception("could not encode a KV event batch; dropped")
             return

@@ -73,8 +73,15 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
-def encode_batch(events: list[AnyKVEvent], ts: float | None = None) -> bytes:
-    return _encoder.encode(KVEventBatch(ts=time.time() if ts is None else ts, events=events))
+def encode_batch(
+    events: list[AnyKVEvent], ts: float | None = None, data_parallel_rank: int | None = None
+) -> bytes:
+    """``data_parallel_rank``: the publishing rank of a data-parallel server (vLLM's third
+    field; omitted when None)."""
+    ts = time.time() if ts is None else ts
+    return _encoder.encode(
+        KVEventBatch(ts=ts, events=events, data_parallel_rank=data_parallel_rank)
+    )
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:

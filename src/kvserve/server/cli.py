@@ -16,7 +16,13 @@ import socket
 import sys
 from typing import Any
 
-from kvserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
+from kvserve.config import (
+    EngineConfig,
+    ParallelConfig,
+    ServerConfig,
+    add_dataclass_args,
+    from_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,7 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, EngineConfig)
     add_dataclass_args(parser, ServerConfig)
+    add_dataclass_args(parser, ParallelConfig)
 
 
 def _advertised_host(host: str) -> str:
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.server.api_server import build_app
     from kvserve.server.auth import resolve_api_keys
     from kvserve.server.http_protocol import uvicorn_config
+    from kvserve.server.moe_metrics import register_expert_metrics
 
     try:
         engine_config: EngineConfig = from_args(EngineConfig, args)
@@ -87,6 +95,19 @@ def run(args: argparse.Namespace) -> int:
         except CurveKeyError as e:
             print(f"kvserve serve: {e}", file=sys.stderr)
             return 2
+    parallel: ParallelConfig = from_args(ParallelConfig, args)
+    if parallel.data_parallel_size != 1 or parallel.enable_expert_parallel:
+        from kvserve.server import data_parallel
+
+        try:
+            data_parallel.check_parallel_config(engine_config, parallel)
+        except ValueError as e:
+            print(f"kvserve serve: {e}", file=sys.stderr)
+            return 2
+        if parallel.data_parallel_rank is None and parallel.data_parallel_size > 1:
+            logging.basicConfig(level=server_config.log_level.upper())
+            return data_parallel.run_supervisor(engine_config, server_config, parallel)
+    dp_rank = parallel.data_parallel_rank if parallel.data_parallel_size > 1 else None
     logging.basicConfig(level=server_config.log_level.upper())
     stop_signals: list[int] = []
 
@@ -98,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(server_config.host, server_config.port)
     port = sock.getsockname()[1]
 
-    engine = LLMEngine(engine_config)
+    if dp_rank is None:
+        engine = LLMEngine(engine_config)
+    else:
+        engine = data_parallel.build_rank_engine(engine_config, parallel)
     async_engine = AsyncEngine(engine)
     publisher = None
     if engine_config.kv_events_endpoint:
@@ -114,11 +138,23 @@ def run(args: argparse.Namespace) -> int:
             engine_config.kv_events_buffer,
             curve_secret_key=engine_config.kv_events_curve_secret_key,
             curve_allowed_clients=engine_config.kv_events_curve_allowed_clients,
+            data_parallel_rank=dp_rank,
         )
         async_engine.step_listeners.append(kv_event_listener(engine, publisher))
 
     server_config.api_key = resolve_api_keys(server_config.api_key)
     app = build_app(async_engine, server_config)
+    register_expert_metrics(app.state.metrics.registry, engine.runner.model, engine.model_name)
+    if dp_rank is not None:
+        data_parallel.watch_rank(async_engine, dp_rank)
+        if dp_rank == 0:
+            app.add_middleware(
+                data_parallel.RankForwarder,
+                rank=0,
+                size=parallel.data_parallel_size,
+                host=server_config.host,
+                base_port=port,
+            )
     server = uvicorn.Server(
         uvicorn_config(
             app,

@@ -1,0 +1,193 @@
+"""Data-parallel ranks with expert parallelism, as real processes: `kvserve serve
+--data-parallel-size 2 --enable-expert-parallel` on tiny-moe. Greedy outputs equal one process
+serving the whole model and transformers, with requests on both ranks at once and with one
+rank idle while the other decodes; each rank is an endpoint (own port, the
+X-data-parallel-rank header on the first port, own KV events carrying its rank, own expert
+metrics); a killed rank takes the group down with a non-zero exit."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from kvserve import LLM
+from kvserve.bench.loadgen import wait_for_server
+from kvserve.kv.events import decode_batch
+from kvserve.model.presets import make_model
+from kvserve.server.data_parallel import _free_port_block
+from tests.engine.test_llm_parity import MAX_TOKENS, HFOracle, _greedy, _prompts
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER_ARGS = [
+    "--served-model-name",
+    "tiny-moe",
+    "--num-kv-blocks",
+    "64",
+    "--max-model-len",
+    "256",
+    "--max-num-batched-tokens",
+    "24",
+]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    return str(make_model(tmp_path_factory.mktemp("tiny-moe"), preset="tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def reference(moe_dir):
+    """Greedy (token ids, text) of one process serving the whole model."""
+    llm = LLM(moe_dir, num_kv_blocks=128, max_model_len=256)
+
+    def run(prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
+        params = dataclasses.replace(_greedy(), max_tokens=max_tokens)
+        out = llm.generate([prompt], params)[0].outputs[0]
+        return out.token_ids, out.text
+
+    return run
+
+
+class DPServer:
+    def __init__(self, popen: subprocess.Popen, base: int, events: int, log: Path) -> None:
+        self.popen, self.base, self.events, self.log = popen, base, events, log
+
+    def url(self, rank: int) -> str:
+        return f"http://127.0.0.1:{self.base + rank}"
+
+    def rank_pids(self) -> list[int]:
+        path = Path(f"/proc/{self.popen.pid}/task/{self.popen.pid}/children")
+        return [int(p) for p in path.read_text().split()]
+
+
+@pytest.fixture(scope="module")
+def dp_server(moe_dir, tmp_path_factory):
+    base = _free_port_block("127.0.0.1", 2)
+    events = _free_port_block("127.0.0.1", 2)
+    log = tmp_path_factory.mktemp("dp") / "serve.log"
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", moe_dir, *SERVER_ARGS]
+    cmd += ["--port", str(base), "--data-parallel-size", "2", "--enable-expert-parallel"]
+    cmd += ["--kv-events-endpoint", f"tcp://127.0.0.1:{events}"]
+    with open(log, "wb") as f:
+        popen = subprocess.Popen(
+            cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = DPServer(popen, base, events, log)
+    try:
+        for rank in range(2):
+            wait_for_server(server.url(rank), timeout=180, proc=popen)
+        yield server
+    finally:
+        if popen.poll() is None:
+            popen.send_signal(signal.SIGTERM)
+            try:
+                popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(popen.pid, signal.SIGKILL)
+                for pid in server.rank_pids():
+                    os.kill(pid, signal.SIGKILL)
+                popen.wait()
+
+
+def _text(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS, **headers: str) -> str:
+    body = {"model": "tiny-moe", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body["ignore_eos"] = True
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_ep_ranks_match_one_process_and_hf_with_both_ranks_busy(dp_server, reference, moe_dir):
+    prompts = _prompts(21, 6, 5, 70, 1000)
+    prompts.append(prompts[5][:40] + [11, 12])  # a prefix-cache hit on the same rank
+    jobs = [(dp_server.url(i % 2), p) for i, p in enumerate(prompts)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: _text(*j), jobs))
+    for p, text in zip(prompts, got, strict=True):
+        assert text == reference(p)[1]
+    hf = HFOracle(moe_dir)
+    for p in prompts[:3]:
+        assert reference(p)[0] == hf.greedy(p)
+
+
+def test_one_rank_idle_while_the_other_decodes(dp_server, reference):
+    p = _prompts(22, 1, 30, 30, 1000)[0]
+    want = reference(p, 40)[1]
+    # Only rank 1 has work; rank 0 joins every MoE layer with empty steps.
+    assert _text(dp_server.url(1), p, 40) == want
+    # The same through rank 0's port and the X-data-parallel-rank header.
+    assert _text(dp_server.url(0), p, 40, **{"X-data-parallel-rank": "1"}) == want
+
+
+def test_bad_rank_header_is_an_openai_400(dp_server):
+    r = httpx.post(
+        f"{dp_server.url(0)}/v1/completions",
+        json={"model": "tiny-moe", "prompt": "hi"},
+        headers={"X-data-parallel-rank": "2"},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == "X-data-parallel-rank"
+
+
+def test_each_rank_publishes_its_events_and_expert_load(dp_server):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{dp_server.events + 1}")
+    try:
+        time.sleep(0.5)  # the subscription reaches the publisher
+        _text(dp_server.url(1), _prompts(23, 1, 40, 40, 1000)[0], 2)
+        assert sub.poll(30_000), "no KV event batch from rank 1"
+        _topic, _seq, payload = sub.recv_multipart()
+        batch = decode_batch(payload)
+        assert batch.data_parallel_rank == 1
+        assert msgspec.msgpack.decode(payload)[2] == 1  # vLLM's third field on the wire
+    finally:
+        sub.close(linger=0)
+    metrics = httpx.get(f"{dp_server.url(1)}/metrics", timeout=30).text
+    samples = [
+        line for line in metrics.splitlines() if line.startswith("kvserve:moe_expert_tokens_total")
+    ]
+    assert len(samples) == 4 * 8  # layers x experts
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in samples) > 0
+    assert "kvserve:moe_expert_load_imbalance{" in metrics
+
+
+def test_killed_rank_takes_the_group_down(dp_server):
+    ranks = dp_server.rank_pids()
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    assert dp_server.popen.wait(timeout=60) == 1
+    assert "data-parallel rank 1 exited" in dp_server.log.read_text()
+    for pid in ranks:
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # reaped by the supervisor: gone
+                os.kill(pid, 0)
+                time.sleep(0.1)
+
+
+def test_expert_parallel_refuses_a_dense_model(tiny_model_dir):
+    r = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir)]
+        + ["--data-parallel-size", "2", "--enable-expert-parallel"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "needs a mixture-of-experts model" in r.stderr
