@@ -1,17 +1,61 @@
-"""The one compiled piece: the offload tier's streaming-store copy (``_stream_copy.c``).
+"""The compiled pieces, both optional: without a C compiler the install still succeeds.
 
-Optional: without a C compiler the install still succeeds and block copies fall back to
-numpy's memcpy (slower, same results); ``kvserve.kv.offload.block_copy.NATIVE`` says which.
+- ``kvserve.kv.offload._stream_copy``: the offload tier's streaming-store copy; without it block
+  copies fall back to numpy's memcpy (``kvserve.kv.offload.block_copy.NATIVE``).
+- ``kvserve.engine.attention._paged_attention``: the CPU paged-attention kernel; without it the
+  torch backend serves (``kvserve.engine.attention.native_backend.AVAILABLE``). Built with
+  OpenMP where the compiler has it (else single-threaded), -O3 and no -march: the kernel
+  carries its own AVX-512 / AVX2 / baseline variants, chosen at load time.
 """
 
+import os
+import tempfile
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _compiler_accepts(compiler, flags: list[str]) -> bool:
+    """Whether ``compiler`` compiles and links a small OpenMP program with ``flags``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "probe.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+        try:
+            objs = compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+            compiler.link_executable(objs, "probe", output_dir=tmp, extra_postargs=flags)
+        except Exception:
+            return False
+    return True
+
+
+class BuildExt(build_ext):
+    """The attention kernel gets -O3, and -fopenmp where the compiler supports it (GCC,
+    Clang with libomp)."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if ext.name.endswith("_paged_attention") and self.compiler.compiler_type == "unix":
+            ext.extra_compile_args = [*ext.extra_compile_args, "-O3", "-std=gnu11"]
+            if _compiler_accepts(self.compiler, ["-fopenmp"]):
+                ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
+                ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]
+            else:  # no OpenMP runtime: one thread, `omp simd` loops still vectorized
+                ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp-simd"]
+        super().build_extension(ext)
+
 
 setup(
+    cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension(
             "kvserve.kv.offload._stream_copy",
             ["src/kvserve/kv/offload/_stream_copy.c"],
             optional=True,
-        )
-    ]
+        ),
+        Extension(
+            "kvserve.engine.attention._paged_attention",
+            ["src/kvserve/engine/attention/_paged_attention.c"],
+            optional=True,
+        ),
+    ],
 )

@@ -8,9 +8,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvserve-installed
-native=src/kvserve/kv/offload/_stream_copy.c  # compiled by `pip install -e` (setup.py)
+native_newer=0  # C sources compiled by `pip install -e` (setup.py)
+for src in src/kvserve/kv/offload/_stream_copy.c src/kvserve/engine/attention/_paged_attention.c
+do
+  if [ "$src" -nt "$stamp" ]; then native_newer=1; fi
+done
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
-    || [ "$native" -nt "$stamp" ]; then
+    || [ "$native_newer" = 1 ]; then
   .venv/bin/pip install -q --upgrade pip
   # torch first, pinned: the CPU build on this machine's disk (a bare `torch` pulls CUDA wheels).
   .venv/bin/pip install -q "torch==2.13.0"

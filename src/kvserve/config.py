@@ -34,6 +34,7 @@ class EngineConfig:
     served_model_name: str | None = None  # name in the API; defaults to the directory name
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
     device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | native | torch (auto: native on CPU when built)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # primary pool size in blocks (overrides kv_cache_memory)
     kv_cache_memory: float = 1.0  # primary pool size in GiB when num_kv_blocks is unset
@@ -83,6 +84,10 @@ class EngineConfig:
     kv_engine_id: str | None = None  # names this engine in kv_transfer_params (default: random)
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "native", "torch"):
+            raise ValueError(
+                f"attention_backend must be auto, native or torch, got {self.attention_backend!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

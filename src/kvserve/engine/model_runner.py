@@ -11,7 +11,11 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.engine.attention import AttentionMetadata
+from kvserve.engine.attention import (
+    AttentionMetadata,
+    get_attention_backend,
+    set_attention_backend,
+)
 from kvserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRow
@@ -33,6 +37,8 @@ class ModelRunner:
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, config=self.model_config
         )
+        self.attn_backend = get_attention_backend(self.device, config.attention_backend)
+        set_attention_backend(self.model, self.attn_backend)
         self.sampler = Sampler(config.seed)
         self.kv_cache: torch.Tensor | None = None
         max_len = self.model_config.max_context_len

@@ -53,6 +53,9 @@ class AttentionMetadata:
     # masks per (mask id, dtype).
     _rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
     _masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
+    # Per-step inputs a backend derives from this metadata once and reuses in every layer
+    # (the native kernel's request rows and concatenated block tables), by backend name.
+    backend_state: dict[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:

@@ -1,0 +1,431 @@
+/* Paged attention on CPU that reads K/V in place through the block table (no gather copy).
+ *
+ * One call per layer and step (``attend``) does what the torch backend does with index_copy_,
+ * index_select and SDPA: it stores this step's K/V at their cache slots, then every query of
+ * every request attends to its context [0, seq_len) causally, reading each context token's
+ * [D] K and V rows straight from their block. Requests are given as (query start, query len,
+ * seq_len, table offset) rows: a decode is a request with one query, a prefill with a cached
+ * prefix one whose first query sits at position seq_len - query_len.
+ *
+ * Work items are (query tile, KV head): a tile is up to TILE_ROWS query rows, the grouped
+ * query heads of one KV head for one or more consecutive queries, so GQA shares each K/V row
+ * between the G heads of its group without repeating it. Items run on an OpenMP team sized by
+ * the caller (torch.get_num_threads(): with torch imported first, this module binds to
+ * torch's own libgomp, so both use one thread pool), dynamically scheduled, prefill tiles
+ * (the largest) first. Each item walks its context in chunks of CHUNK tokens with an online
+ * (flash-style) softmax: running max and sum per row, accumulator rescaled per chunk.
+ *
+ * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
+ * rounded to nearest even. The per-item function is compiled for AVX-512, AVX2+FMA and the
+ * baseline (target_clones, resolved once at load), so one build runs on any x86-64; head dims
+ * 64 and 128 get unrolled copies. The GIL is released while the kernel runs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(PA_NO_CLONES)
+#define PA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PA_CLONES
+#endif
+#define PA_INLINE static inline __attribute__((always_inline))
+
+#define TILE_ROWS 32 /* query rows (queries x grouped heads) per work item */
+#define CHUNK 32     /* context tokens per online-softmax step */
+#define MAX_HEAD_DIM 512
+
+typedef struct {
+    char *q, *k, *v, *out, *cache; /* element strides below; D is contiguous everywhere */
+    int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh, o_st, o_sh;
+    int64_t c_blk, c_kv, c_slot, c_head;
+    const int64_t *slots; /* [num_new] cache slots of this step's K/V (block * bs + offset) */
+    int64_t num_new;
+    const int64_t *reqs; /* [num_reqs, 4]: query start, query len, seq_len, table offset */
+    int64_t num_reqs;
+    const int64_t *tables; /* flat block tables */
+    int64_t num_blocks, hq, hkv, d, bs;
+    int elem; /* bytes per element: 4 = fp32, 2 = bf16 */
+    float scale;
+} pa_args;
+
+typedef struct {
+    int64_t req, q0, qn; /* queries [q0, q0 + qn) of request req */
+} pa_item;
+
+/* -- element conversion ----------------------------------------------------------------- */
+
+PA_INLINE float bf16_to_f32(uint16_t x)
+{
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+PA_INLINE uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+/* dst[0:n) = src[0:n) * s as fp32 (src fp32 or bf16). */
+PA_INLINE void load_row(float *restrict dst, const char *src, int64_t n, int elem, float s)
+{
+    if (elem == 4) {
+        const float *restrict x = (const float *)src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = x[i] * s;
+    } else {
+        const uint16_t *restrict x = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = bf16_to_f32(x[i]) * s;
+    }
+}
+
+/* e^x for x <= 0 (a score minus its row's running max); 0 below -87. Cephes' polynomial,
+ * ~1 ulp, written branch-free so it vectorizes (expf does not without -ffast-math). */
+PA_INLINE float exp_neg(float x)
+{
+    const int tiny = x < -87.0f;
+    x = tiny ? -87.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x / ln 2) */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float p;
+    memcpy(&p, &bits, 4);
+    return tiny ? 0.0f : y * p;
+}
+
+/* -- one work item ---------------------------------------------------------------------- */
+
+/* Scratch floats one thread needs for head dim d. */
+static int64_t scratch_floats(int64_t d)
+{
+    return 2 * TILE_ROWS * d       /* queries (scaled), accumulators */
+           + TILE_ROWS * CHUNK     /* scores / probabilities */
+           + 2 * TILE_ROWS         /* running max, running sum */
+           + 2 * CHUNK * d + 64;   /* one chunk of K and V widened to fp32 (bf16) */
+}
+
+PA_INLINE void attend_d(const pa_args *a, const pa_item *it, int64_t h, float *ws,
+                        const int64_t D)
+{
+    const int64_t *r = a->reqs + 4 * it->req;
+    const int64_t q_start = r[0], q_len = r[1], seq_len = r[2];
+    const int64_t *table = a->tables + r[3];
+    const int64_t G = a->hq / a->hkv, M = it->qn * G, bs = a->bs;
+    const int elem = a->elem;
+    const int64_t first_pos = seq_len - q_len + it->q0; /* position of the tile's first query */
+    const int64_t kv_end = first_pos + it->qn;         /* keys [0, kv_end) */
+
+    float *restrict Q = ws;
+    float *restrict acc = Q + TILE_ROWS * D;
+    float *restrict S = acc + TILE_ROWS * D;
+    float *restrict mx = S + TILE_ROWS * CHUNK;
+    float *restrict sum = mx + TILE_ROWS;
+    float *restrict Kf = sum + TILE_ROWS;
+    float *restrict Vf = Kf + CHUNK * D;
+    const float *kp[CHUNK], *vp[CHUNK];
+
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t tok = q_start + it->q0 + m / G, head = h * G + m % G;
+        load_row(Q + m * D, a->q + (tok * a->q_st + head * a->q_sh) * elem, D, elem, a->scale);
+        for (int64_t i = 0; i < D; i++)
+            acc[m * D + i] = 0.0f;
+        mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
+        sum[m] = 0.0f;
+    }
+    const int64_t s_kv = a->c_kv * elem;
+    for (int64_t p0 = 0; p0 < kv_end; p0 += CHUNK) {
+        const int64_t n = kv_end - p0 < CHUNK ? kv_end - p0 : CHUNK;
+        /* Row pointers of this chunk's K/V, block by block (fp32: in place; bf16: widened). */
+        int64_t blk = p0 / bs, off = p0 % bs;
+        for (int64_t t = 0; t < n; t++) {
+            const char *row = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
+                                          h * a->c_head) * elem;
+            if (elem == 4) {
+                kp[t] = (const float *)row;
+                vp[t] = (const float *)(row + s_kv);
+            } else {
+                load_row(Kf + t * D, row, D, 2, 1.0f);
+                load_row(Vf + t * D, row + s_kv, D, 2, 1.0f);
+                kp[t] = Kf + t * D;
+                vp[t] = Vf + t * D;
+            }
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        for (int64_t m = 0; m < M; m++) {
+            /* Causal: the query at position first_pos + m / G sees keys up to itself. */
+            const int64_t lim = first_pos + m / G - p0 + 1;
+            const int64_t nv = lim < n ? lim : n;
+            if (nv <= 0)
+                continue;
+            const float *restrict qm = Q + m * D;
+            float *restrict s = S + m * CHUNK;
+            float cmax = mx[m];
+            for (int64_t t = 0; t < nv; t++) {
+                const float *restrict k = kp[t];
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++)
+                    dot += qm[i] * k[i];
+                s[t] = dot;
+                cmax = dot > cmax ? dot : cmax;
+            }
+            const float alpha = exp_neg(mx[m] - cmax);
+            mx[m] = cmax;
+            float psum = 0.0f;
+#pragma omp simd reduction(+ : psum)
+            for (int64_t t = 0; t < nv; t++) {
+                const float e = exp_neg(s[t] - cmax);
+                s[t] = e;
+                psum += e;
+            }
+            sum[m] = sum[m] * alpha + psum;
+            float *restrict o = acc + m * D;
+            for (int64_t i = 0; i < D; i++)
+                o[i] *= alpha;
+            for (int64_t t = 0; t < nv; t++) {
+                const float pt = s[t];
+                const float *restrict vr = vp[t];
+                for (int64_t i = 0; i < D; i++)
+                    o[i] += pt * vr[i];
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t tok = q_start + it->q0 + m / G, head = h * G + m % G;
+        char *dst = a->out + (tok * a->o_st + head * a->o_sh) * elem;
+        const float inv = 1.0f / sum[m];
+        const float *restrict o = acc + m * D;
+        if (elem == 4) {
+            float *restrict y = (float *)dst;
+            for (int64_t i = 0; i < D; i++)
+                y[i] = o[i] * inv;
+        } else {
+            uint16_t *restrict y = (uint16_t *)dst;
+            for (int64_t i = 0; i < D; i++)
+                y[i] = f32_to_bf16(o[i] * inv);
+        }
+    }
+}
+
+PA_CLONES static void attend_item(const pa_args *a, const pa_item *it, int64_t h, float *ws)
+{
+    switch (a->d) { /* constant head dims: unrolled, register-resident rows */
+    case 64:
+        attend_d(a, it, h, ws, 64);
+        break;
+    case 128:
+        attend_d(a, it, h, ws, 128);
+        break;
+    default:
+        attend_d(a, it, h, ws, a->d);
+    }
+}
+
+/* -- the step: store new K/V, then every (tile, KV head) -------------------------------- */
+
+static void write_new_kv(const pa_args *a)
+{
+    const int64_t row = a->hkv * a->d * a->elem, hd = a->d * a->elem;
+    const int contiguous = a->k_sh == a->d && a->v_sh == a->d && a->c_head == a->d;
+    for (int64_t t = 0; t < a->num_new; t++) {
+        const int64_t slot = a->slots[t];
+        char *dst = a->cache + ((slot / a->bs) * a->c_blk + (slot % a->bs) * a->c_slot) * a->elem;
+        const char *k = a->k + t * a->k_st * a->elem, *v = a->v + t * a->v_st * a->elem;
+        if (contiguous) {
+            memcpy(dst, k, row);
+            memcpy(dst + a->c_kv * a->elem, v, row);
+            continue;
+        }
+        for (int64_t h = 0; h < a->hkv; h++) {
+            memcpy(dst + h * a->c_head * a->elem, k + h * a->k_sh * a->elem, hd);
+            memcpy(dst + (a->c_kv + h * a->c_head) * a->elem, v + h * a->v_sh * a->elem, hd);
+        }
+    }
+}
+
+/* Work items, prefill tiles first (last tiles of a prompt, the costliest, first of all). */
+static pa_item *make_items(const pa_args *a, int64_t *count)
+{
+    const int64_t G = a->hq / a->hkv, per = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
+    int64_t n = 0;
+    for (int64_t i = 0; i < a->num_reqs; i++)
+        n += (a->reqs[4 * i + 1] + per - 1) / per;
+    pa_item *items = malloc((size_t)(n > 0 ? n : 1) * sizeof(pa_item));
+    if (items == NULL)
+        return NULL;
+    int64_t k = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int64_t i = 0; i < a->num_reqs; i++) {
+            const int64_t ql = a->reqs[4 * i + 1];
+            if ((ql > 1) != (pass == 0))
+                continue;
+            for (int64_t q0 = ((ql - 1) / per) * per; q0 >= 0; q0 -= per) {
+                items[k].req = i;
+                items[k].q0 = q0;
+                items[k].qn = ql - q0 < per ? ql - q0 : per;
+                k++;
+            }
+        }
+    }
+    *count = n;
+    return items;
+}
+
+/* Reject anything that would read or write outside the cache (metadata comes from Python). */
+static int validate(const pa_args *a)
+{
+    if (a->hq <= 0 || a->hkv <= 0 || a->hq % a->hkv || a->d <= 0 || a->d > MAX_HEAD_DIM ||
+        a->bs <= 0 || a->num_blocks <= 0 || (a->elem != 4 && a->elem != 2) ||
+        a->num_reqs < 0 || a->num_new < 0 || (a->hq / a->hkv > TILE_ROWS)) {
+        PyErr_SetString(PyExc_ValueError, "paged attention: bad shapes");
+        return -1;
+    }
+    const int64_t max_slot = a->num_blocks * a->bs;
+    for (int64_t t = 0; t < a->num_new; t++) {
+        if (a->slots[t] < 0 || a->slots[t] >= max_slot) {
+            PyErr_Format(PyExc_IndexError, "slot %lld out of range", (long long)a->slots[t]);
+            return -1;
+        }
+    }
+    for (int64_t i = 0; i < a->num_reqs; i++) {
+        const int64_t *r = a->reqs + 4 * i;
+        if (r[1] <= 0 || r[2] < r[1] || r[0] < 0 || r[3] < 0) {
+            PyErr_SetString(PyExc_ValueError, "paged attention: bad request row");
+            return -1;
+        }
+        for (int64_t b = 0; b < (r[2] + a->bs - 1) / a->bs; b++) {
+            const int64_t id = a->tables[r[3] + b];
+            if (id < 0 || id >= a->num_blocks) {
+                PyErr_Format(PyExc_IndexError, "block %lld out of range", (long long)id);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+enum {
+    A_Q, A_QST, A_QSH, A_K, A_KST, A_KSH, A_V, A_VST, A_VSH, A_OUT, A_OST, A_OSH,
+    A_CACHE, A_CBLK, A_CKV, A_CSLOT, A_CHEAD, A_NBLOCKS, A_SLOTS, A_NNEW, A_REQS, A_NREQS,
+    A_TABLES, A_HQ, A_HKV, A_D, A_BS, A_ELEM, A_THREADS, A_SCALE, A_COUNT
+};
+
+static PyObject *attend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != A_COUNT) {
+        PyErr_Format(PyExc_TypeError, "attend() takes %d arguments", A_COUNT);
+        return NULL;
+    }
+    int64_t v[A_SCALE];
+    for (int i = 0; i < A_SCALE; i++) {
+        v[i] = (int64_t)PyLong_AsLongLong(args[i]);
+        if (v[i] == -1 && PyErr_Occurred())
+            return NULL;
+    }
+    const double scale = PyFloat_AsDouble(args[A_SCALE]);
+    if (scale == -1.0 && PyErr_Occurred())
+        return NULL;
+    pa_args a = {
+        .q = (char *)(intptr_t)v[A_Q], .k = (char *)(intptr_t)v[A_K],
+        .v = (char *)(intptr_t)v[A_V], .out = (char *)(intptr_t)v[A_OUT],
+        .cache = (char *)(intptr_t)v[A_CACHE],
+        .q_st = v[A_QST], .q_sh = v[A_QSH], .k_st = v[A_KST], .k_sh = v[A_KSH],
+        .v_st = v[A_VST], .v_sh = v[A_VSH], .o_st = v[A_OST], .o_sh = v[A_OSH],
+        .c_blk = v[A_CBLK], .c_kv = v[A_CKV], .c_slot = v[A_CSLOT], .c_head = v[A_CHEAD],
+        .num_blocks = v[A_NBLOCKS], .slots = (const int64_t *)(intptr_t)v[A_SLOTS],
+        .num_new = v[A_NNEW], .reqs = (const int64_t *)(intptr_t)v[A_REQS],
+        .num_reqs = v[A_NREQS], .tables = (const int64_t *)(intptr_t)v[A_TABLES],
+        .hq = v[A_HQ], .hkv = v[A_HKV], .d = v[A_D], .bs = v[A_BS], .elem = (int)v[A_ELEM],
+        .scale = (float)scale,
+    };
+    int threads = v[A_THREADS] > 0 ? (int)v[A_THREADS] : 1;
+    if (validate(&a) < 0)
+        return NULL;
+    int64_t n_items = 0;
+    pa_item *items = make_items(&a, &n_items);
+    const int64_t total = n_items * a.hkv;
+    if (threads > total)
+        threads = total > 0 ? (int)total : 1;
+    const int64_t per_thread = scratch_floats(a.d);
+    float *scratch = aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(float));
+    if (items == NULL || scratch == NULL) {
+        free(items);
+        free(scratch);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    write_new_kv(&a);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(dynamic, 1)
+    for (int64_t w = 0; w < total; w++) {
+#ifdef _OPENMP
+        float *ws = scratch + omp_get_thread_num() * per_thread;
+#else
+        float *ws = scratch;
+#endif
+        attend_item(&a, &items[w / a.hkv], w % a.hkv, ws);
+    }
+    Py_END_ALLOW_THREADS
+    free(items);
+    free(scratch);
+    Py_RETURN_NONE;
+}
+
+static PyObject *build_info(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
+{
+#ifdef _OPENMP
+    const int openmp = 1;
+#else
+    const int openmp = 0;
+#endif
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(PA_NO_CLONES)
+    const char *isa = "x86-64-v4 | x86-64-v3 | baseline (target_clones)";
+#else
+    const char *isa = "baseline";
+#endif
+    return Py_BuildValue("{s:O,s:s}", "openmp", openmp ? Py_True : Py_False, "isa", isa);
+}
+
+static PyMethodDef methods[] = {
+    {"attend", (PyCFunction)(void (*)(void))attend, METH_FASTCALL,
+     "attend(q, q_st, q_sh, k, k_st, k_sh, v, v_st, v_sh, out, o_st, o_sh, cache, c_blk, "
+     "c_kv, c_slot, c_head, num_blocks, slots, num_new, reqs, num_reqs, tables, hq, hkv, d, "
+     "block_size, elem_bytes, num_threads, scale): store num_new new K/V rows at slots, then "
+     "write paged attention of every request into out. Pointers are data_ptr() ints, strides "
+     "in elements; see kvserve.engine.attention.native_backend."},
+    {"build_info", build_info, METH_NOARGS, "{'openmp': bool, 'isa': str} of this build."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_paged_attention",
+    .m_doc = "Paged attention over a block-table KV cache, read in place (CPU).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__paged_attention(void) { return PyModule_Create(&module); }
