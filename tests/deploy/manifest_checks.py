@@ -7,7 +7,7 @@ Owns what `kubectl apply` would reject and what would only show as a broken clus
   does; its CEL rules are checked here by hand: unique target ports, a port for a Service
   ref). Gateway API kinds have no schema here: only their references are checked.
 - references: Service selectors and target ports, probes' ports, volume mounts, ConfigMap
-  volumes, the InferencePool's selector, target ports and EPP reference, the Envoy bootstrap's
+  and claim volumes, the InferencePool's selector, target ports and EPP reference, the Envoy bootstrap's
   EPP address, HTTPRoute/Gateway references.
 - kvserve itself: every kvserve container's args go through kvserve's own argparse parsers
   and config validation (a typo in a flag fails), its paths lie on mounted volumes, the router
@@ -183,6 +183,9 @@ class Manifests:
         for v in volumes.values():
             if "configMap" in v and not self.get("ConfigMap", ns, v["configMap"]["name"]):
                 self.fail(w, f"volume {v['name']}: no ConfigMap {v['configMap']['name']}")
+            claim = v.get("persistentVolumeClaim", {}).get("claimName")
+            if claim and not self.get("PersistentVolumeClaim", ns, claim):
+                self.fail(w, f"volume {v['name']}: no PersistentVolumeClaim {claim}")
         for c in self._containers(pod):
             ports = self._ports(c)
             for m in c.get("volumeMounts", []):

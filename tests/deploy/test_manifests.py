@@ -27,6 +27,7 @@ def test_every_overlay_is_here() -> None:
         "overlays/dev",
         "overlays/envoy-gateway",
         "overlays/gateway-api",
+        "overlays/model-pvc",
         "overlays/pd",
         "overlays/shared-tier",
     ]
@@ -80,6 +81,17 @@ def test_overlays_add_what_they_say() -> None:
     }
     pool = pd["InferencePool/kvserve"]["spec"]["selector"]["matchLabels"]
     assert pool["kvserve.io/role"] == "decode"
+
+    pvc = _objects("overlays/model-pvc")
+    for name in ("Deployment/kvserve-engine", "Deployment/kvserve-epp"):
+        pod = pvc[name]["spec"]["template"]["spec"]
+        assert not pod.get("initContainers")
+        (models,) = [v for v in pod["volumes"] if v["name"] == "models"]
+        assert models == {
+            "name": "models",
+            "persistentVolumeClaim": {"claimName": "kvserve-models", "readOnly": True},
+        }
+    assert _arg(pvc["Deployment/kvserve-engine"], "--model") == "/models/model"
 
 
 def _arg(workload: Doc, flag: str) -> str | None:
