@@ -7,8 +7,8 @@ Owns what `kubectl apply` would reject and what would only show as a broken clus
   does; its CEL rules are checked here by hand: unique target ports, a port for a Service
   ref). Gateway API kinds have no schema here: only their references are checked.
 - references: Service selectors and target ports, probes' ports, volume mounts, ConfigMap
-  and claim volumes, the InferencePool's selector, target ports and EPP reference, the Envoy bootstrap's
-  EPP address, HTTPRoute/Gateway references.
+  and claim volumes, the InferencePool's selector, target ports and EPP reference, the Envoy
+  bootstrap's EPP address, HTTPRoute/Gateway references.
 - kvserve itself: every kvserve container's args go through kvserve's own argparse parsers
   and config validation (a typo in a flag fails), its paths lie on mounted volumes, the router
   configs (ConfigMaps) load, their DNS targets name headless Services whose ports and pods
