@@ -164,9 +164,13 @@ def test_dns_of_localhost_through_the_system_resolver() -> None:
 
 def test_dns_addresses_come_and_go_with_their_event_streams() -> None:
     answers: list[Any] = [["127.0.0.1"]]
+    calls: list[str] = []
 
     async def resolver(name: str, family: int) -> list[str]:
         assert name == "engines.llm.svc.cluster.local"
+        calls.append(name)
+        if len(calls) == 1:  # as a pod starts, its resolver may not answer yet
+            raise socket.gaierror(socket.EAI_AGAIN, "temporary failure")
         answer = answers[-1]
         if isinstance(answer, Exception):
             raise answer
@@ -192,7 +196,9 @@ def test_dns_addresses_come_and_go_with_their_event_streams() -> None:
         source.resolver = resolver  # the system resolver's path: the localhost test
         await router.start(host="127.0.0.1", port=0)
         try:
-            assert list(router.pool.endpoints) == [a.url]  # start() applied the first answer
+            # start() asked again after the failure, then applied the first answer
+            assert list(router.pool.endpoints) == [a.url] and len(calls) == 2
+            assert router.pool.synced
             await until(lambda: router.pool.endpoints[a.url].healthy)
             pub.publish([_stored(PROMPT, 1)])
             await until(lambda: router.index.endpoint_num_blocks(a.url) == 6)

@@ -128,6 +128,7 @@ class EndpointPool:
         dns: Iterable[str] = (),
         dns_poll_s: float = 5.0,
         sources: Iterable[EndpointSource] = (),
+        sync_timeout_s: float = 10.0,
     ) -> None:
         self.health = health or HealthConfig()
         self.upstream_api_key = upstream_api_key
@@ -144,6 +145,7 @@ class EndpointPool:
         self.sources += [DnsSource(t, dns_poll_s) for t in dns]
         self.sources += list(sources)
         self._discovered: dict[int, list[EndpointSpec]] = {}  # id(source) -> its endpoints
+        self.sync_timeout_s = sync_timeout_s  # start() waits this long for first DNS answers
         self._tasks: list[asyncio.Task] = []
         self._client: UpstreamPool | None = None
         self._own_client = False
@@ -240,10 +242,18 @@ class EndpointPool:
         self._client = client or UpstreamPool(max_idle_per_origin=2)
         self._own_client = client is None
         self.load()
-        # First answers of the other sources (DNS) before the first checks.
+        # First answers of the other sources (DNS) before the first checks: a resolver that
+        # fails (not yet reachable as a pod starts) is asked again for up to sync_timeout_s.
+        deadline = time.monotonic() + self.sync_timeout_s
         for source in self.sources:
-            if not isinstance(source, FileSource):
-                self._discovered[id(source)] = await source.poll() or []
+            if isinstance(source, FileSource):
+                continue
+            while True:
+                specs = await source.poll()
+                if specs is not None or source.answered or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(min(source.poll_s, 0.5))
+            self._discovered[id(source)] = specs or []
         self._apply()
         await asyncio.gather(*(self.check(e) for e in list(self.endpoints.values())))
         await asyncio.gather(*(self.scrape(e) for e in list(self.endpoints.values())))
