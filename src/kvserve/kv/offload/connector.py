@@ -58,7 +58,7 @@ from kvserve.kv.connector import (
     register_connector,
 )
 from kvserve.kv.events import BlockRemoved, BlockStored
-from kvserve.kv.offload.manager import ChunkMeta, LoadSpec, LookupState, OffloadingManager
+from kvserve.kv.offload.manager import ChunkMeta, LoadSpec, OffloadingManager
 from kvserve.kv.offload.policies import create_policy
 from kvserve.kv.offload.storage_worker import ReadItem, StorageResult, StorageWorker
 from kvserve.kv.offload.worker import ChunkCopy, TransferJob, TransferWorker, make_transfer_worker
@@ -92,18 +92,23 @@ class _RequestState:
     load_job: int | None = None
     store_jobs: set[int] = field(default_factory=set)
     finished: bool = False  # request_finished() was called; waiting for jobs to end
+    # Step at which build_connector_meta next looks at this request: the step its next chunk
+    # fills if it computes one token per step (requests computing more are found apart).
+    due: int = 0
 
 
 @dataclass
 class _JobRecord:
     job: TransferJob
-    req_id: str
+    req_id: str  # a load's request ("" for a store: see ``store_reqs``)
     missing_blocks: list[int] = field(default_factory=list)  # load blocks found gone at alloc
     # Storage-tier chunks of a load being staged into host slots: their keys and slots (the
     # job's chunks from index ``staged_from`` on); empty once the copy job was started.
     staged_keys: list[bytes] = field(default_factory=list)
     staged_from: int = 0
     cancelled: bool = False  # the request ended while its chunks were staged
+    # A store job carries every chunk one step completes, of these requests.
+    store_reqs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -151,6 +156,11 @@ class OffloadingConnector(KVConnectorBase):
         self._lookups: dict[str, _Lookup] = {}
         self._loads_to_start: list[TransferJob] = []
         self._job_ids = itertools.count(1)
+        # Store planning without a pass over every running request: build_connector_meta
+        # counts steps, and each request waits in ``_due[step]`` for the step its next chunk
+        # can fill at one token per step (entries whose request moved on are skipped).
+        self._step = 0
+        self._due: dict[int, list[str]] = {}
         self._stats = KVConnectorStats()
         self._counts = {
             "load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0,
@@ -284,6 +294,7 @@ class OffloadingConnector(KVConnectorBase):
         if st is None:
             st = self._reqs[rid] = _RequestState(request)
         st.request, st.next_store_chunk, st.finished = request, 0, False
+        self._check_at(rid, st, self._step + 1)  # the step being scheduled
         num_computed = lookup.num_computed_tokens if lookup else request.num_computed_tokens
         s = self._stats
         s.lookups += 1
@@ -346,42 +357,110 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         meta = OffloadConnectorMetadata(loads=self._loads_to_start, reads=self._reads_to_start)
         self._loads_to_start, self._reads_to_start = [], []
-        mgr = self._mgr()
-        k, ct = self.blocks_per_chunk, self.chunk_tokens
-        for request in scheduler_output.scheduled:
-            rid = request.request_id
-            st = self._reqs.get(rid)
-            if st is None:
-                st = self._reqs[rid] = _RequestState(request)
-            if st.load_job is not None:
-                continue
-            # Tokens whose KV is valid once this step's forward ran.
-            done = request.num_computed_tokens + scheduler_output.num_scheduled_tokens[rid]
-            n_full = min(done // ct, len(request.block_hashes) // k)
-            if n_full <= st.next_store_chunk:
-                continue
-            first, st.next_store_chunk = st.next_store_chunk, n_full
-            keys = self._chunk_keys(request, first, n_full)
-            new = [
-                (first + j, key) for j, key in enumerate(keys) if mgr.state(key) is LookupState.MISS
-            ]
-            if not new:
-                continue
-            metas = [self._chunk_meta(request, i) for i, _ in new] if self.emit_events else None
-            out = mgr.prepare_store([key for _, key in new], metas)
-            if out is None or not out.keys_to_store:
-                continue
-            index = {key: i for i, key in new}
-            block_ids = scheduler_output.block_ids[rid]
-            chunks = [
-                ChunkCopy(slot, key, block_ids[index[key] * k : (index[key] + 1) * k])
-                for key, slot in zip(out.keys_to_store, out.slots, strict=True)
-            ]
+        step = self._step = self._step + 1
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        # Requests that may complete a chunk this step: those due now, and those computing
+        # more than one token (prefills). The latter are found from the end of the batch
+        # (the scheduler puts prefills last) until their extra tokens are all accounted for.
+        check: dict[str, Request] = {}
+        reqs = self._reqs
+        for rid in self._due.pop(step, ()):
+            st = reqs.get(rid)
+            if st is not None and st.due == step:
+                check[rid] = st.request
+        scheduled = scheduler_output.scheduled
+        extra = scheduler_output.total_num_scheduled_tokens - len(scheduled)
+        i = len(scheduled)
+        while extra > 0 and i > 0:
+            i -= 1
+            request = scheduled[i]
+            n = num_scheduled[request.request_id]
+            if n > 1:
+                check[request.request_id] = request
+                extra -= n - 1
+        if not check:
+            return meta
+        chunks: list[ChunkCopy] = []
+        store_reqs: list[str] = []
+        for rid, request in check.items():
+            if self._plan_store(rid, request, num_scheduled.get(rid), scheduler_output, chunks):
+                store_reqs.append(rid)
+        if chunks:  # one job for the step: one submission, one batch of copies
             job = TransferJob(next(self._job_ids), is_store=True, chunks=chunks)
-            self._jobs[job.job_id] = _JobRecord(job, rid)
-            st.store_jobs.add(job.job_id)
+            self._jobs[job.job_id] = _JobRecord(job, "", store_reqs=store_reqs)
+            for rid in store_reqs:
+                self._reqs[rid].store_jobs.add(job.job_id)
             meta.stores.append(job)
         return meta
+
+    def _check_at(self, rid: str, st: _RequestState, step: int) -> None:
+        st.due = step
+        self._due.setdefault(step, []).append(rid)
+
+    def _plan_store(
+        self,
+        rid: str,
+        request: Request,
+        n_new: int | None,
+        scheduler_output: SchedulerOutput,
+        chunks: list[ChunkCopy],
+    ) -> bool:
+        """Reserve the chunks ``request`` completes this step (``n_new`` tokens scheduled,
+        None: not scheduled) and append their copies to ``chunks`` (True if any); set when to
+        look at the request again."""
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _RequestState(request)
+        if st.finished:
+            return False
+        step = self._step
+        if st.load_job is not None:  # its tokens are being loaded: look again next step
+            self._check_at(rid, st, step + 1)
+            return False
+        k, ct = self.blocks_per_chunk, self.chunk_tokens
+        # Tokens whose KV is valid once this step's forward ran.
+        done = request.num_computed_tokens + (n_new or 0)
+        n_full = min(done // ct, len(request.block_hashes) // k)
+        job = False
+        if n_new and n_full > st.next_store_chunk:
+            first, st.next_store_chunk = st.next_store_chunk, n_full
+            job = self._reserve_store(rid, request, first, n_full, scheduler_output, chunks)
+        # The next chunk fills after ``next_boundary - done`` more tokens: at one token per
+        # step (a decode), that many steps from now; sooner only by computing more than one
+        # token in a step, which build_connector_meta catches on its own.
+        self._check_at(rid, st, step + max(1, (st.next_store_chunk + 1) * ct - done))
+        return job
+
+    def _reserve_store(
+        self,
+        rid: str,
+        request: Request,
+        first: int,
+        end: int,
+        scheduler_output: SchedulerOutput,
+        chunks: list[ChunkCopy],
+    ) -> bool:
+        """Reserve tier slots for chunks ``first .. end - 1`` of ``request`` not held yet
+        (keys already held or being stored are skipped by the manager)."""
+        k = self.blocks_per_chunk
+        keys = self._chunk_keys(request, first, end)
+        metas = (
+            [self._chunk_meta(request, i) for i in range(first, end)] if self.emit_events else None
+        )
+        out = self._mgr().prepare_store(keys, metas)
+        if out is None or not out.keys_to_store:
+            return False
+        block_ids = scheduler_output.block_ids[rid]
+        if len(out.keys_to_store) == len(keys):  # the usual case: every chunk is new
+            chunk_ids = range(first, end)
+        else:
+            index = {key: first + j for j, key in enumerate(keys)}
+            chunk_ids = [index[key] for key in out.keys_to_store]
+        chunks.extend(
+            ChunkCopy(slot, key, block_ids[i * k : (i + 1) * k])
+            for i, key, slot in zip(chunk_ids, out.keys_to_store, out.slots, strict=True)
+        )
+        return True
 
     def _chunk_meta(self, request: Request, i: int) -> ChunkMeta:
         k, bs = self.blocks_per_chunk, self.block_size
@@ -537,16 +616,17 @@ class OffloadingConnector(KVConnectorBase):
         out = KVConnectorOutput()
         if self.worker is None:
             return out
-        mgr = self._mgr()
         if self.storage is not None:
             for sres in self.storage.poll():
                 self._storage_done(sres, out)
+        if not self.worker.has_results():  # most steps: nothing ended
+            return out
+        mgr = self._mgr()
         for res in self.worker.poll():
             rec = self._jobs.pop(res.job_id, None)
             if rec is None:
                 continue
             job, rid = rec.job, rec.req_id
-            st = self._reqs.get(rid)
             keys = [c.key for c in job.chunks]
             if job.is_store:
                 mgr.complete_store(keys, success=res.ok)
@@ -555,33 +635,41 @@ class OffloadingConnector(KVConnectorBase):
                 self._stats.store_bytes += res.nbytes
                 self._stats.store_time_s += res.seconds
                 self._counts["store_jobs"] += 1
-                if st is not None:
-                    st.store_jobs.discard(job.job_id)
-            else:
-                mgr.complete_load(keys)
-                self._stats.load_bytes += res.nbytes
-                self._stats.load_time_s += res.seconds
-                self._counts["load_jobs"] += 1
-                self._counts["loaded_chunks"] += len(keys) - len(res.bad_chunks)
-                invalid = list(rec.missing_blocks)
-                if res.bad_chunks and not res.cancelled:
-                    self._counts["invalid_chunks"] += len(res.bad_chunks)
-                    mgr.remove([keys[i] for i in res.bad_chunks])
-                    first_bad = min(res.bad_chunks)
-                    logger.warning(
-                        "request %s: %d offloaded chunk(s) failed verification; recomputing",
-                        rid, len(res.bad_chunks),
-                    )  # fmt: skip
-                    invalid.extend(b for c in job.chunks[first_bad:] for b in c.block_ids)
-                if st is not None:
-                    st.load_job = None
-                    if not st.finished:
-                        out.finished_recving.add(rid)
-                        out.invalid_block_ids.update(invalid)
-            if st is not None and st.finished and st.load_job is None and not st.store_jobs:
-                out.finished_sending.add(rid)
-                del self._reqs[rid]
+                for rid in rec.store_reqs:
+                    st = self._reqs.get(rid)
+                    if st is not None:
+                        st.store_jobs.discard(job.job_id)
+                        self._maybe_release(rid, st, out)
+                continue
+            st = self._reqs.get(rid)
+            mgr.complete_load(keys)
+            self._stats.load_bytes += res.nbytes
+            self._stats.load_time_s += res.seconds
+            self._counts["load_jobs"] += 1
+            self._counts["loaded_chunks"] += len(keys) - len(res.bad_chunks)
+            invalid = list(rec.missing_blocks)
+            if res.bad_chunks and not res.cancelled:
+                self._counts["invalid_chunks"] += len(res.bad_chunks)
+                mgr.remove([keys[i] for i in res.bad_chunks])
+                first_bad = min(res.bad_chunks)
+                logger.warning(
+                    "request %s: %d offloaded chunk(s) failed verification; recomputing",
+                    rid, len(res.bad_chunks),
+                )  # fmt: skip
+                invalid.extend(b for c in job.chunks[first_bad:] for b in c.block_ids)
+            if st is not None:
+                st.load_job = None
+                if not st.finished:
+                    out.finished_recving.add(rid)
+                    out.invalid_block_ids.update(invalid)
+                self._maybe_release(rid, st, out)
         return out
+
+    def _maybe_release(self, rid: str, st: _RequestState, out: KVConnectorOutput) -> None:
+        """A finished request whose last job just ended: its blocks can be freed."""
+        if st.finished and st.load_job is None and not st.store_jobs:
+            out.finished_sending.add(rid)
+            del self._reqs[rid]
 
     # ================================ storage tiers =====================================
     def has_pending_work(self) -> bool:
