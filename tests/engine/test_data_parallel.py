@@ -167,6 +167,41 @@ def test_each_rank_publishes_its_events_and_expert_load(dp_server):
     assert "kvserve:moe_expert_load_imbalance{" in metrics
 
 
+def test_router_indexes_and_routes_to_the_rank_holding_the_prefix(dp_server, tmp_path, moe_dir):
+    from tests.cluster.processes import router_process
+
+    base = dp_server.url(0)
+    config = {
+        "tokenizer": moe_dir,
+        "endpoints": [
+            {
+                "url": base,
+                "kv_events": f"tcp://127.0.0.1:{dp_server.events}",
+                "data_parallel_size": 2,
+            }
+        ],
+    }
+    prefix = _prompts(24, 1, 96, 96, 1000)[0]
+    with router_process(tmp_path, config) as router:
+
+        def kv_blocks() -> dict[str, int]:
+            state = httpx.get(f"{router}/router/state", timeout=30).json()
+            return {e["name"]: e["kv_blocks"] for e in state["endpoints"]}
+
+        assert set(kv_blocks()) == {f"{base}/dp0", f"{base}/dp1"}
+        deadline = time.monotonic() + 60
+        while kv_blocks()[f"{base}/dp1"] < 6:  # rank 1's events reach the router's index
+            assert time.monotonic() < deadline, kv_blocks()
+            _text(dp_server.url(1), prefix, 1)  # again until the router has subscribed
+            time.sleep(0.5)
+        assert kv_blocks()[f"{base}/dp0"] == 0
+        for i in range(3):
+            body = {"model": "tiny-moe", "prompt": prefix + [7 + i], "max_tokens": 1}
+            r = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvserve-endpoint"] == f"{base}/dp1"
+
+
 def test_killed_rank_takes_the_group_down(dp_server):
     ranks = dp_server.rank_pids()
     assert len(ranks) == 2
@@ -191,3 +226,38 @@ def test_expert_parallel_refuses_a_dense_model(tiny_model_dir):
     )
     assert r.returncode == 2
     assert "needs a mixture-of-experts model" in r.stderr
+
+
+def test_router_config_expands_a_data_parallel_server_into_rank_endpoints():
+    from kvserve.cluster.cli import parse_endpoint_flag
+    from kvserve.cluster.config import ConfigError, router_config_from_dict
+
+    cfg = router_config_from_dict(
+        {
+            "endpoints": [
+                {
+                    "url": "http://10.0.0.1:8000",
+                    "name": "a",
+                    "kv_events": "tcp://10.0.0.1:5557",
+                    "kv_events_replay": "tcp://10.0.0.1:5600",
+                    "data_parallel_size": 3,
+                },
+                {"url": "http://10.0.0.2:8000"},
+            ]
+        }
+    ).validate()
+    got = [
+        (e.key, e.url, e.kv_events, e.kv_events_replay, e.data_parallel_rank) for e in cfg.endpoints
+    ]
+    assert got == [
+        ("a/dp0", "http://10.0.0.1:8000", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5600", 0),
+        ("a/dp1", "http://10.0.0.1:8001", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5601", 1),
+        ("a/dp2", "http://10.0.0.1:8002", "tcp://10.0.0.1:5559", "tcp://10.0.0.1:5602", 2),
+        ("http://10.0.0.2:8000", "http://10.0.0.2:8000", None, None, None),
+    ]
+    spec = parse_endpoint_flag("http://h:9000,events=tcp://h:7000,dp=2")
+    assert spec.data_parallel_size == 2
+    with pytest.raises(ConfigError, match="explicit port"):
+        router_config_from_dict(
+            {"endpoints": [{"url": "http://h", "data_parallel_size": 2}]}
+        ).validate()

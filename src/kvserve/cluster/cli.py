@@ -46,6 +46,7 @@ _ENDPOINT_KEYS = {
     "curve_server_key": "kv_events_curve_server_key",
     "role": "role",
     "tier": "shared_tiers",  # repeatable
+    "dp": "data_parallel_size",  # a data-parallel server: one endpoint per rank
 }
 API_KEY_ENV = ("KVSERVE_API_KEY", "VLLM_API_KEY")  # clients' keys
 UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
@@ -53,7 +54,7 @@ UPSTREAM_API_KEY_ENV = "KVSERVE_UPSTREAM_API_KEY"
 
 def parse_endpoint_flag(text: str) -> EndpointSpec:
     """``URL[,events=ADDR][,replay=ADDR][,model=NAME][,name=NAME][,topic=T][,api_key=K]``
-    ``[,curve_server_key=FILE][,role=prefill|decode|both][,tier=ID]...``."""
+    ``[,curve_server_key=FILE][,role=prefill|decode|both][,tier=ID]...[,dp=N]``."""
     url, *opts = [p.strip() for p in text.split(",")]
     kwargs: dict[str, Any] = {}
     for opt in opts:

@@ -109,9 +109,16 @@ class EndpointSpec:
     # KV events and /metrics (``fs:/mnt/kv``, ``redis://10.0.0.7:6379/0``): blocks there count
     # for it from the start (events teach it too, once the engine wrote to the tier).
     shared_tiers: list[str] = field(default_factory=list)
+    # A data-parallel server (kvserve.cluster.data_parallel): N ranks on port..port+N-1, each
+    # routed to as its own endpoint; data_parallel_rank is set on the expanded rank endpoints.
+    data_parallel_size: int = 1
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
+        if int(self.data_parallel_size) < 1:
+            raise ConfigError(f"endpoint {self.url}: data_parallel_size must be >= 1")
+        self.data_parallel_size = int(self.data_parallel_size)
         parts = urlsplit(self.url)
         try:
             parts.port  # noqa: B018 - raises on a bad port
@@ -326,6 +333,9 @@ class RouterConfig:
 
         for target in self.endpoints_dns:  # a bad target or template fails at startup
             DnsSource(target)
+        from kvserve.cluster.data_parallel import expand_data_parallel
+
+        self.endpoints = expand_data_parallel(self.endpoints)
         names = [e.key for e in self.endpoints]
         if len(set(names)) != len(names):
             raise ConfigError("duplicate endpoint names/urls")
@@ -417,4 +427,6 @@ def parse_endpoints(data: Any, where: str = "endpoints") -> list[EndpointSpec]:
         data = data["endpoints"]
     if data is None:
         return []
-    return _build(list[EndpointSpec], data, where)
+    from kvserve.cluster.data_parallel import expand_data_parallel
+
+    return expand_data_parallel(_build(list[EndpointSpec], data, where))
