@@ -174,6 +174,8 @@ def test_dns_addresses_come_and_go_with_their_event_streams() -> None:
         answer = answers[-1]
         if isinstance(answer, Exception):
             raise answer
+        if isinstance(answer, asyncio.Event):
+            await answer.wait()
         return list(answer)
 
     async def main() -> None:
@@ -210,6 +212,12 @@ def test_dns_addresses_come_and_go_with_their_event_streams() -> None:
             answers.append(socket.gaierror(socket.EAI_AGAIN, "temporary failure"))
             await asyncio.sleep(0.3)  # a failing resolver keeps the last answer
             assert set(router.pool.endpoints) == {a.url, other}
+            source.timeout_s = 0.05
+            answers.append(asyncio.Event())  # a resolver that never answers: the same
+            await asyncio.sleep(0.5)
+            assert set(router.pool.endpoints) == {a.url, other}
+            answers.pop()
+            source.timeout_s = 5.0  # (a hung lookup would have stopped the polls below)
 
             answers.append(["127.0.0.2"])  # the first pod is gone
             await until(lambda: a.url not in router.pool.endpoints)

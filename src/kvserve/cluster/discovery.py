@@ -136,6 +136,7 @@ class DnsSource:
         *,
         resolver: Resolver | None = None,
         remove_after: int = 2,
+        timeout_s: float = 5.0,
     ) -> None:
         if not target.startswith(DNS_SCHEME):
             raise ConfigError(f"endpoints DNS target must start with {DNS_SCHEME}: {target!r}")
@@ -143,6 +144,7 @@ class DnsSource:
         self.poll_s = poll_s
         self.resolver: Resolver = resolver or system_resolver
         self.remove_after = max(1, remove_after)
+        self.timeout_s = timeout_s  # a lookup slower than this failed (the last answer stays)
         self.answered = False  # resolved once (an empty answer counts)
         head, *opts = [p.strip() for p in target.split(",")]
         try:
@@ -189,14 +191,14 @@ class DnsSource:
     async def resolve(self) -> list[str] | None:
         """The name's addresses now (sorted, unique); ``None`` when the resolver failed."""
         try:
-            found = await self.resolver(self.name, self.family)
+            found = await asyncio.wait_for(self.resolver(self.name, self.family), self.timeout_s)
         except socket.gaierror as e:
             if e.errno in _NO_SUCH_NAME:
                 return []
             logger.warning("resolving %s failed: %s (keeping the last answer)", self.name, e)
             return None
-        except OSError as e:
-            logger.warning("resolving %s failed: %s (keeping the last answer)", self.name, e)
+        except OSError as e:  # TimeoutError included
+            logger.warning("resolving %s failed: %r (keeping the last answer)", self.name, e)
             return None
         out = set()
         for a in found:
