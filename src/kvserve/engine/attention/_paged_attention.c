@@ -40,6 +40,8 @@
 #define TILE_ROWS 32 /* query rows (queries x grouped heads) per work item */
 #define CHUNK 32     /* context tokens per online-softmax step */
 #define MAX_HEAD_DIM 512
+#define VMAX_ROWS 4 /* rows per register-resident group (vector path) */
+#define VMAX_ND 8   /* 16-lane vectors per row: head dim <= 128 (vector path) */
 
 typedef struct {
     char *q, *k, *v, *out, *cache; /* element strides below; D is contiguous everywhere */
@@ -57,6 +59,7 @@ typedef struct {
 
 typedef struct {
     int64_t req, q0, qn; /* queries [q0, q0 + qn) of request req */
+    int64_t h0, nh;      /* KV heads [h0, h0 + nh) */
 } pa_item;
 
 /* -- element conversion ----------------------------------------------------------------- */
@@ -116,17 +119,169 @@ PA_INLINE float exp_neg(float x)
 
 /* -- one work item ---------------------------------------------------------------------- */
 
-/* Scratch floats one thread needs for head dim d. */
-static int64_t scratch_floats(int64_t d)
+/* Scratch floats one thread needs: per-row state for up to max(TILE_ROWS, Hq) rows (a
+ * prefill tile of one head, or a decode over several heads), one chunk's scores, one chunk
+ * of K and V widened to fp32 (bf16). */
+static int64_t scratch_floats(int64_t d, int64_t hq)
 {
-    return 2 * TILE_ROWS * d       /* queries (scaled), accumulators */
-           + TILE_ROWS * CHUNK     /* scores / probabilities */
-           + 2 * TILE_ROWS         /* running max, running sum */
-           + 2 * CHUNK * d + 64;   /* one chunk of K and V widened to fp32 (bf16) */
+    const int64_t rows = hq > TILE_ROWS ? hq : TILE_ROWS;
+    return rows * (2 * d + 2) + VMAX_ROWS * CHUNK + 2 * CHUNK * d + 64;
 }
 
-PA_INLINE void attend_d(const pa_args *a, const pa_item *it, int64_t h, float *ws,
-                        const int64_t D)
+/* Online-softmax step of one row over scores s[0:n) (entries >= nv masked): returns the
+ * factor alpha that rescales the row's accumulator, leaves probabilities in s. */
+PA_INLINE float softmax_step(float *restrict s, int64_t n, int64_t nv, float *mx, float *sum)
+{
+    for (int64_t t = nv < 0 ? 0 : nv; t < n; t++)
+        s[t] = -INFINITY;
+    float cmax = *mx;
+#pragma omp simd reduction(max : cmax)
+    for (int64_t t = 0; t < n; t++)
+        cmax = s[t] > cmax ? s[t] : cmax;
+    const float alpha = exp_neg(*mx - cmax);
+    *mx = cmax;
+    float psum = 0.0f;
+#pragma omp simd reduction(+ : psum)
+    for (int64_t t = 0; t < n; t++) {
+        const float e = exp_neg(s[t] - cmax);
+        s[t] = e;
+        psum += e;
+    }
+    *sum = *sum * alpha + psum;
+    return alpha;
+}
+
+/* Any head dim: one row at a time, plain loops. */
+PA_INLINE void rows_generic(const float *restrict Q, float *restrict acc, float *restrict S,
+                            float *mx, float *sum, const float *const *kp,
+                            const float *const *vp, int64_t n, const int64_t *nv, int64_t rows,
+                            int64_t D)
+{
+    for (int64_t m = 0; m < rows; m++) {
+        if (nv[m] <= 0)
+            continue;
+        const float *restrict qm = Q + m * D;
+        float *restrict s = S + m * CHUNK;
+        for (int64_t t = 0; t < nv[m]; t++) {
+            const float *restrict k = kp[t];
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < D; i++)
+                dot += qm[i] * k[i];
+            s[t] = dot;
+        }
+        const float alpha = softmax_step(s, nv[m], nv[m], mx + m, sum + m);
+        float *restrict o = acc + m * D;
+        for (int64_t i = 0; i < D; i++)
+            o[i] *= alpha;
+        for (int64_t t = 0; t < nv[m]; t++) {
+            const float pt = s[t];
+            const float *restrict vr = vp[t];
+            for (int64_t i = 0; i < D; i++)
+                o[i] += pt * vr[i];
+        }
+    }
+}
+
+/* Head dims that are multiples of 16 (up to 128): R rows together, their queries and
+ * accumulators held in 16-lane vectors (registers on AVX-512), each K/V row loaded once per
+ * group. The compiler lowers the vectors to whatever the clone's ISA has. */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_u __attribute__((vector_size(64), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+PA_INLINE vf vload(const float *p) { return *(const vf_u *)p; }
+PA_INLINE void vstore(float *p, vf v) { *(vf_u *)p = v; }
+PA_INLINE float hsum(vf v)
+{
+    vf8 a, b;
+    memcpy(&a, &v, 32);
+    memcpy(&b, (const char *)&v + 32, 32);
+    a += b;
+    vf4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (const char *)&a + 16, 16);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *restrict S,
+                        float *mx, float *sum, const float *const *kp, const float *const *vp,
+                        int64_t n, const int64_t *nv, const int R, const int ND)
+{
+    const int D = ND * 16;
+    vf q[VMAX_ROWS][VMAX_ND];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            q[r][j] = vload(Q + r * D + 16 * j);
+    int64_t n_any = 0; /* keys any row of the group sees */
+    for (int r = 0; r < R; r++)
+        n_any = nv[r] > n_any ? nv[r] : n_any;
+    if (n_any <= 0)
+        return;
+    for (int64_t t = 0; t < n_any; t++) {
+        vf k[VMAX_ND];
+        for (int j = 0; j < ND; j++)
+            k[j] = vload(kp[t] + 16 * j);
+        for (int r = 0; r < R; r++) {
+            vf d = q[r][0] * k[0];
+            for (int j = 1; j < ND; j++)
+                d += q[r][j] * k[j];
+            S[r * CHUNK + t] = hsum(d);
+        }
+    }
+    float alpha[VMAX_ROWS];
+    for (int r = 0; r < R; r++)
+        alpha[r] = softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
+    vf o[VMAX_ROWS][VMAX_ND];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            o[r][j] = vload(acc + r * D + 16 * j) * alpha[r];
+    for (int64_t t = 0; t < n_any; t++) {
+        vf v[VMAX_ND];
+        for (int j = 0; j < ND; j++)
+            v[j] = vload(vp[t] + 16 * j);
+        for (int r = 0; r < R; r++) {
+            const float p = S[r * CHUNK + t];
+            for (int j = 0; j < ND; j++)
+                o[r][j] += p * v[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            vstore(acc + r * D + 16 * j, o[r][j]);
+}
+
+/* All rows of a tile over one chunk: groups of up to 4 rows (2 for D = 128, so that the
+ * accumulators stay in registers). */
+PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float *sum,
+                          const float *const *kp, const float *const *vp, int64_t n,
+                          const int64_t *nv, int64_t M, const int64_t D)
+{
+    if (D == 64 || D == 128) {
+        const int ND = (int)(D / 16), RMAX = D == 64 ? 4 : 2;
+        for (int64_t m = 0; m < M; m += RMAX) {
+            const int64_t R = M - m < RMAX ? M - m : RMAX;
+#define PA_ROWS(r)                                                                            \
+    case r:                                                                                   \
+        rows_vec(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, r, ND);      \
+        break;
+            switch (R) {
+                PA_ROWS(1)
+                PA_ROWS(2)
+                PA_ROWS(3)
+                PA_ROWS(4)
+            }
+#undef PA_ROWS
+        }
+        return;
+    }
+    for (int64_t m = 0; m < M; m++)
+        rows_generic(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, 1, D);
+}
+
+PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const int64_t D)
 {
     const int64_t *r = a->reqs + 4 * it->req;
     const int64_t q_start = r[0], q_len = r[1], seq_len = r[2];
@@ -135,113 +290,109 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, int64_t h, float *w
     const int elem = a->elem;
     const int64_t first_pos = seq_len - q_len + it->q0; /* position of the tile's first query */
     const int64_t kv_end = first_pos + it->qn;         /* keys [0, kv_end) */
+    const int64_t nh = it->nh, rows = nh * M;            /* rows of head i: [i * M, i * M + M) */
 
     float *restrict Q = ws;
-    float *restrict acc = Q + TILE_ROWS * D;
-    float *restrict S = acc + TILE_ROWS * D;
-    float *restrict mx = S + TILE_ROWS * CHUNK;
-    float *restrict sum = mx + TILE_ROWS;
-    float *restrict Kf = sum + TILE_ROWS;
+    float *restrict acc = Q + rows * D;
+    float *restrict mx = acc + rows * D;
+    float *restrict sum = mx + rows;
+    float *restrict S = sum + rows;
+    float *restrict Kf = S + VMAX_ROWS * CHUNK;
     float *restrict Vf = Kf + CHUNK * D;
     const float *kp[CHUNK], *vp[CHUNK];
+    int64_t nv[TILE_ROWS];
 
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t tok = q_start + it->q0 + m / G, head = h * G + m % G;
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t i = m % M, tok = q_start + it->q0 + i / G;
+        const int64_t head = (it->h0 + m / M) * G + i % G;
         load_row(Q + m * D, a->q + (tok * a->q_st + head * a->q_sh) * elem, D, elem, a->scale);
-        for (int64_t i = 0; i < D; i++)
-            acc[m * D + i] = 0.0f;
+        for (int64_t j = 0; j < D; j++)
+            acc[m * D + j] = 0.0f;
         mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
         sum[m] = 0.0f;
     }
     const int64_t s_kv = a->c_kv * elem;
+    const int64_t heads_bytes = (nh - 1) * a->c_head * elem + D * elem; /* of one slot */
     for (int64_t p0 = 0; p0 < kv_end; p0 += CHUNK) {
         const int64_t n = kv_end - p0 < CHUNK ? kv_end - p0 : CHUNK;
-        /* Row pointers of this chunk's K/V, block by block (fp32: in place; bf16: widened). */
+        /* Slot addresses of this chunk (head h0), block by block. */
+        const char *slot[CHUNK];
         int64_t blk = p0 / bs, off = p0 % bs;
         for (int64_t t = 0; t < n; t++) {
+            slot[t] = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
+                                  it->h0 * a->c_head) * elem;
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        /* Prefetch the next chunk's rows: consecutive slots of one head are H_kv * D apart
+         * and blocks are anywhere, a pattern the hardware prefetchers follow poorly. */
+        const int64_t n_next = kv_end - p0 - n < CHUNK ? kv_end - p0 - n : CHUNK;
+        for (int64_t t = 0; t < n_next; t++) {
             const char *row = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
-                                          h * a->c_head) * elem;
-            if (elem == 4) {
-                kp[t] = (const float *)row;
-                vp[t] = (const float *)(row + s_kv);
-            } else {
-                load_row(Kf + t * D, row, D, 2, 1.0f);
-                load_row(Vf + t * D, row + s_kv, D, 2, 1.0f);
-                kp[t] = Kf + t * D;
-                vp[t] = Vf + t * D;
+                                          it->h0 * a->c_head) * elem;
+            for (int64_t b = 0; b < heads_bytes; b += 64) {
+                __builtin_prefetch(row + b);
+                __builtin_prefetch(row + s_kv + b);
             }
             if (++off == bs) {
                 off = 0;
                 blk++;
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            /* Causal: the query at position first_pos + m / G sees keys up to itself. */
-            const int64_t lim = first_pos + m / G - p0 + 1;
-            const int64_t nv = lim < n ? lim : n;
-            if (nv <= 0)
-                continue;
-            const float *restrict qm = Q + m * D;
-            float *restrict s = S + m * CHUNK;
-            float cmax = mx[m];
-            for (int64_t t = 0; t < nv; t++) {
-                const float *restrict k = kp[t];
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < D; i++)
-                    dot += qm[i] * k[i];
-                s[t] = dot;
-                cmax = dot > cmax ? dot : cmax;
+        /* Causal: the query at position first_pos + i / G sees keys up to itself. */
+        for (int64_t i = 0; i < M; i++) {
+            const int64_t lim = first_pos + i / G - p0 + 1;
+            nv[i] = lim < n ? lim : n;
+        }
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t hoff = hh * a->c_head * elem;
+            for (int64_t t = 0; t < n; t++) { /* fp32: rows in place; bf16: widened */
+                const char *row = slot[t] + hoff;
+                if (elem == 4) {
+                    kp[t] = (const float *)row;
+                    vp[t] = (const float *)(row + s_kv);
+                } else {
+                    load_row(Kf + t * D, row, D, 2, 1.0f);
+                    load_row(Vf + t * D, row + s_kv, D, 2, 1.0f);
+                    kp[t] = Kf + t * D;
+                    vp[t] = Vf + t * D;
+                }
             }
-            const float alpha = exp_neg(mx[m] - cmax);
-            mx[m] = cmax;
-            float psum = 0.0f;
-#pragma omp simd reduction(+ : psum)
-            for (int64_t t = 0; t < nv; t++) {
-                const float e = exp_neg(s[t] - cmax);
-                s[t] = e;
-                psum += e;
-            }
-            sum[m] = sum[m] * alpha + psum;
-            float *restrict o = acc + m * D;
-            for (int64_t i = 0; i < D; i++)
-                o[i] *= alpha;
-            for (int64_t t = 0; t < nv; t++) {
-                const float pt = s[t];
-                const float *restrict vr = vp[t];
-                for (int64_t i = 0; i < D; i++)
-                    o[i] += pt * vr[i];
-            }
+            const int64_t m0 = hh * M;
+            chunk_rows(Q + m0 * D, acc + m0 * D, S, mx + m0, sum + m0, kp, vp, n, nv, M, D);
         }
     }
-    for (int64_t m = 0; m < M; m++) {
-        const int64_t tok = q_start + it->q0 + m / G, head = h * G + m % G;
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t i = m % M, tok = q_start + it->q0 + i / G;
+        const int64_t head = (it->h0 + m / M) * G + i % G;
         char *dst = a->out + (tok * a->o_st + head * a->o_sh) * elem;
         const float inv = 1.0f / sum[m];
         const float *restrict o = acc + m * D;
         if (elem == 4) {
             float *restrict y = (float *)dst;
-            for (int64_t i = 0; i < D; i++)
-                y[i] = o[i] * inv;
+            for (int64_t j = 0; j < D; j++)
+                y[j] = o[j] * inv;
         } else {
             uint16_t *restrict y = (uint16_t *)dst;
-            for (int64_t i = 0; i < D; i++)
-                y[i] = f32_to_bf16(o[i] * inv);
+            for (int64_t j = 0; j < D; j++)
+                y[j] = f32_to_bf16(o[j] * inv);
         }
     }
 }
 
-PA_CLONES static void attend_item(const pa_args *a, const pa_item *it, int64_t h, float *ws)
+PA_CLONES static void attend_item(const pa_args *a, const pa_item *it, float *ws)
 {
     switch (a->d) { /* constant head dims: unrolled, register-resident rows */
     case 64:
-        attend_d(a, it, h, ws, 64);
+        attend_d(a, it, ws, 64);
         break;
     case 128:
-        attend_d(a, it, h, ws, 128);
+        attend_d(a, it, ws, 128);
         break;
     default:
-        attend_d(a, it, h, ws, a->d);
+        attend_d(a, it, ws, a->d);
     }
 }
 
@@ -267,30 +418,38 @@ static void write_new_kv(const pa_args *a)
     }
 }
 
-/* Work items, prefill tiles first (last tiles of a prompt, the costliest, first of all). */
-static pa_item *make_items(const pa_args *a, int64_t *count)
+/* Work items, prefill tiles first (last tiles of a prompt, the costliest, first of all),
+ * one KV head each. A decode takes several KV heads of its request when there are enough
+ * decodes to keep every thread busy: each slot's heads are then read as one contiguous run. */
+static pa_item *make_items(const pa_args *a, int threads, int64_t *count)
 {
     const int64_t G = a->hq / a->hkv, per = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
-    int64_t n = 0;
-    for (int64_t i = 0; i < a->num_reqs; i++)
-        n += (a->reqs[4 * i + 1] + per - 1) / per;
+    int64_t n_decode = 0, n_tiles = 0;
+    for (int64_t i = 0; i < a->num_reqs; i++) {
+        const int64_t ql = a->reqs[4 * i + 1];
+        n_decode += ql == 1;
+        n_tiles += ql == 1 ? 0 : (ql + per - 1) / per;
+    }
+    int64_t nh = a->hkv; /* heads per decode item: the most that leaves 2 items per thread */
+    while (nh > 1 && (a->hkv % nh || n_decode * (a->hkv / nh) < 2 * threads))
+        nh--;
+    const int64_t n = n_tiles * a->hkv + n_decode * (a->hkv / nh);
     pa_item *items = malloc((size_t)(n > 0 ? n : 1) * sizeof(pa_item));
     if (items == NULL)
         return NULL;
     int64_t k = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        for (int64_t i = 0; i < a->num_reqs; i++) {
-            const int64_t ql = a->reqs[4 * i + 1];
-            if ((ql > 1) != (pass == 0))
-                continue;
-            for (int64_t q0 = ((ql - 1) / per) * per; q0 >= 0; q0 -= per) {
-                items[k].req = i;
-                items[k].q0 = q0;
-                items[k].qn = ql - q0 < per ? ql - q0 : per;
-                k++;
-            }
-        }
+    for (int64_t i = 0; i < a->num_reqs; i++) {
+        const int64_t ql = a->reqs[4 * i + 1];
+        if (ql == 1)
+            continue;
+        for (int64_t q0 = ((ql - 1) / per) * per; q0 >= 0; q0 -= per)
+            for (int64_t h = 0; h < a->hkv; h++)
+                items[k++] = (pa_item){i, q0, ql - q0 < per ? ql - q0 : per, h, 1};
     }
+    for (int64_t i = 0; i < a->num_reqs; i++)
+        if (a->reqs[4 * i + 1] == 1)
+            for (int64_t h = 0; h < a->hkv; h += nh)
+                items[k++] = (pa_item){i, 0, 1, h, nh};
     *count = n;
     return items;
 }
@@ -365,12 +524,11 @@ static PyObject *attend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     int threads = v[A_THREADS] > 0 ? (int)v[A_THREADS] : 1;
     if (validate(&a) < 0)
         return NULL;
-    int64_t n_items = 0;
-    pa_item *items = make_items(&a, &n_items);
-    const int64_t total = n_items * a.hkv;
+    int64_t total = 0;
+    pa_item *items = make_items(&a, threads, &total);
     if (threads > total)
         threads = total > 0 ? (int)total : 1;
-    const int64_t per_thread = scratch_floats(a.d);
+    const int64_t per_thread = scratch_floats(a.d, a.hq);
     float *scratch = aligned_alloc(64, (size_t)(threads * per_thread) * sizeof(float));
     if (items == NULL || scratch == NULL) {
         free(items);
@@ -386,7 +544,7 @@ static PyObject *attend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
 #else
         float *ws = scratch;
 #endif
-        attend_item(&a, &items[w / a.hkv], w % a.hkv, ws);
+        attend_item(&a, &items[w], ws);
     }
     Py_END_ALLOW_THREADS
     free(items);
