@@ -31,6 +31,7 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Gauge
 
 from kvserve.cluster.endpoints import Endpoint
 from kvserve.cluster.epp.processor import ExtProcStream
@@ -89,6 +90,11 @@ class EndpointPicker:
         self._addresses: dict[str, Endpoint] = {}
         core.pool.on_added.append(self._added)
         core.pool.on_removed.append(self._removed)
+        Gauge(
+            "kvserve_router_epp_streams",
+            "Envoy ext_proc streams open (HTTP requests the EPP is following)",
+            registry=core.metrics.registry,
+        ).set_function(lambda: self.streams)
 
     def _added(self, ep: Endpoint) -> None:
         self._addresses[endpoint_address(ep)] = ep
