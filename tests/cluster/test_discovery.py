@@ -128,6 +128,8 @@ def test_endpoints_file_source_reads_mappings_flags_and_sees_same_mtime_rewrites
     specs = src.read()
     assert [s.url for s in specs] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     assert specs[1].role == "decode" and src.answered
+    path.write_text('["http://10.0.0.5:8000,dp=2"]')
+    assert [s.url for s in src.read()] == ["http://10.0.0.5:8000", "http://10.0.0.5:8001"]
     st = os.stat(path)
     path.write_text('[{"url": "http://10.0.0.3:8000"}, "http://10.0.0.4:8000,role=decode"]')
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime as before
@@ -239,7 +241,14 @@ def test_dns_addresses_come_and_go_with_their_event_streams() -> None:
     arun(main)
 
 
-def test_dns_target_errors() -> None:
+def _fixed(*addresses: str):
+    async def resolver(name: str, family: int) -> list[str]:
+        return list(addresses)
+
+    return resolver
+
+
+def test_dns_target_errors_ipv6_and_data_parallel_ranks() -> None:
     for bad, match in [
         ("engines:8000", "must start with dns://"),
         ("dns://:8000", "dns://NAME"),
@@ -252,6 +261,12 @@ def test_dns_target_errors() -> None:
     v6 = DnsSource("dns://e,events=tcp://{host}:5557,name=pod-{ip}").spec_for("fd00::1")
     assert v6.url == "http://[fd00::1]:8000" and v6.kv_events == "tcp://[fd00::1]:5557"
     assert v6.name == "pod-fd00::1"
+    dp = DnsSource("dns://e:8000,events=tcp://{host}:5557,dp=2", resolver=_fixed("10.0.0.7"))
+    ranks = asyncio.run(dp.poll()) or []
+    assert [(s.url, s.kv_events, s.data_parallel_rank) for s in ranks] == [
+        ("http://10.0.0.7:8000", "tcp://10.0.0.7:5557", 0),
+        ("http://10.0.0.7:8001", "tcp://10.0.0.7:5558", 1),
+    ]
     cmd = [sys.executable, "-m", "kvserve.cli", "route", "--endpoints-dns", "dns://e,bad=1"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 2 and "bad option" in out.stderr

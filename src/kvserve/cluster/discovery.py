@@ -16,7 +16,8 @@ answers and its listeners (event subscribers, index, health checks) follow.
   Service resolved every poll, each address one endpoint; the options are the ``--endpoint``
   flag's, their values templates (``{host}``: the address, bracketed for IPv6; ``{ip}``: the
   bare address), e.g. ``dns://engines.llm.svc.cluster.local:8000,events=tcp://{host}:5557,
-  replay=tcp://{host}:5558``. An address is added on the first answer that has it and removed
+  replay=tcp://{host}:5558``; with ``dp=N`` each address is N data-parallel ranks (ports
+  offset by rank). An address is added on the first answer that has it and removed
   after ``remove_after`` answers without it (a dead pod leaves the rotation at once anyway, on
   its refused connections and failed health checks); a name that does not exist is an empty
   answer, a resolver that fails (timeout, SERVFAIL) keeps the last one.
@@ -36,6 +37,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from kvserve.cluster.config import ConfigError, EndpointSpec, parse_endpoints
+from kvserve.cluster.data_parallel import expand_data_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def parse_endpoints_data(data: Any, where: str) -> list[EndpointSpec]:
             specs.append(parse_endpoint_text(entry))
         else:
             specs += parse_endpoints([entry], f"{where}[{i}]")
-    return specs
+    return expand_data_parallel(specs)  # a data-parallel server: one endpoint per rank
 
 
 class FileSource:
@@ -219,7 +221,7 @@ class DnsSource:
         self._missing.update({a: n for a, n in missing.items() if n < self.remove_after})
         if self._missing == before:
             return None
-        return [self.spec_for(a) for a in sorted(self._missing)]
+        return expand_data_parallel([self.spec_for(a) for a in sorted(self._missing)])
 
 
 EndpointSource = FileSource | DnsSource
