@@ -520,9 +520,8 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
     }
     cold: list[float] = []
     host: list[float] = []
-    conn = llm.engine.connector
     io_threads = llm.engine.config.kv_tier_io_threads
-    read_batch = conn.storage.read_batch
+    read_batch = 0
     generate1(llm, prompts_of(rng, 1, 256, st.vocab)[0])  # warm up
     for _rep in range(args.reps):
         p = prompts_of(rng, 1, length, st.vocab)[0]
@@ -531,6 +530,8 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
         out = generate1(llm, p)  # recomputed; stored in host memory and cascaded to every tier
         cold.append(out.metrics.time_to_first_token)
         keys = host_keys(llm)
+        # The tier reads a staging read's chunks in one contiguous shard per I/O thread.
+        read_batch = -(-len(keys) // io_threads)
         written = {t: delta(v, before[t])["written"] for t, v in tier_counts(llm).items()}
         assert all(w >= len(keys) for w in written.values()), written
         progress(f"recompute {length} tokens: {cold[-1] * 1e3:.0f} ms ({len(keys)} chunks)")
@@ -709,6 +710,59 @@ class Feeder:
             s._cond.wait_for(lambda: not s._inflight, timeout=120)
 
 
+class WriterVariant:
+    """How the storage writers run in one "on" run of measurement 4: ``+``-joined settings,
+    ``idle`` / ``nice`` (the writer threads' scheduling: ``SCHED_IDLE``, the default, or nice
+    19), ``gap`` (writes paused while the engine computes a step, resumed between steps; what
+    a connector that signals step boundaries would do), ``duty=F`` (writers held to a duty
+    cycle F)."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.policy, self.gap, self.duty = "idle", False, 1.0
+        for part in spec.split("+"):
+            if part in ("idle", "nice"):
+                self.policy = part
+            elif part == "gap":
+                self.gap = True
+            elif part.startswith("duty="):
+                self.duty = float(part[5:])
+            else:
+                raise ValueError(f"writer variant {spec!r}: unknown {part!r}")
+
+    def apply(self, llm: LLM, storage) -> Callable[[], None]:
+        """Set it up on the engine; returns the undo."""
+        from kvserve.kv.backends.storage import lower_thread_priority
+
+        runner, write = llm.engine.runner, storage._write
+        execute = runner.execute_model
+        policy = self.policy
+
+        def write_with_policy(*a, **kw):  # the pool's threads, whichever runs the write
+            lower_thread_priority(policy)
+            return write(*a, **kw)
+
+        def execute_paused(*a, **kw):
+            storage.pause_writes()
+            try:
+                return execute(*a, **kw)
+            finally:
+                storage.resume_writes()
+
+        storage._write = write_with_policy
+        storage.write_duty = self.duty
+        if self.gap:
+            runner.execute_model = execute_paused
+
+        def undo() -> None:
+            storage._write = write
+            storage.write_duty = 1.0
+            runner.execute_model = execute
+            storage.resume_writes()
+
+        return undo
+
+
 def bench_decode(st: Setup, args, progress) -> dict:
     root = st.subdir("decode")
     st.flush_redis()
@@ -728,14 +782,17 @@ def bench_decode(st: Setup, args, progress) -> dict:
     dec_sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     pre_sp = SamplingParams(max_tokens=1, temperature=0.0)
     n_dec = args.decode_batch
+    variants = [WriterVariant(v) for v in args.decode_variants]
 
-    def run(kind: str, on: bool) -> dict:
+    def run(kind: str, variant: WriterVariant | None) -> dict:
+        on = variant is not None
         prompts = prompts_of(rng, n_dec, args.decode_prompt_len, st.vocab)
         params = [dec_sp] * n_dec
         if kind == "own":
             prompts += prompts_of(rng, args.decode_prefills, args.decode_prefill_len, st.vocab)
             params += [pre_sp] * args.decode_prefills
         switch.set(on)
+        undo = variant.apply(llm, switch.storage) if variant else lambda: None
         before_t = tier_counts(llm) if on else {}
         s0 = acct.snapshot()
         c0 = timer.seconds
@@ -744,14 +801,17 @@ def bench_decode(st: Setup, args, progress) -> dict:
         def at_end() -> None:  # the decode batch finished: the window measured ends here
             end.update(cpu=acct.snapshot(), conn=timer.seconds, tiers=tier_counts(llm))
 
-        if kind == "heavy" and on:
-            payload = switch.storage.tiers[0].codec.payload_bytes
-            with Feeder(switch.storage, payload, args.heavy_mb_s * 1e6) as f:
+        try:
+            if kind == "heavy" and on:
+                payload = switch.storage.tiers[0].codec.payload_bytes
+                with Feeder(switch.storage, payload, args.heavy_mb_s * 1e6) as f:
+                    _, t_done, drained = drive(llm, prompts, params, when_done=(n_dec, at_end))
+                fed = f.chunks
+            else:
                 _, t_done, drained = drive(llm, prompts, params, when_done=(n_dec, at_end))
-            fed = f.chunks
-        else:
-            _, t_done, drained = drive(llm, prompts, params, when_done=(n_dec, at_end))
-            fed = 0
+                fed = 0
+        finally:
+            undo()
         cpu = CpuAccount.diff(s0, end["cpu"])
         after_t = end["tiers"]
         t = max(t_done[:n_dec])
@@ -780,24 +840,13 @@ def bench_decode(st: Setup, args, progress) -> dict:
         switch.set(True)
         return row
 
-    out: dict = {}
-    warm = prompts_of(rng, 2, 64, st.vocab)
-    drive(llm, warm, [dec_sp] * 2)
-    for kind in args.decode_kinds:
-        on_rows, off_rows = [], []
-        for i in range(args.decode_reps):
-            for on in (False, True) if i % 2 == 0 else (True, False):
-                (on_rows if on else off_rows).append(run(kind, on))
-            progress(
-                f"decode ({kind} stream) pair {i + 1}: on {on_rows[-1]['decode_tok_s']:.1f} / "
-                f"off {off_rows[-1]['decode_tok_s']:.1f} tok/s"
-            )
+    def summary(on_rows: list[dict], off_rows: list[dict]) -> dict:
         thr_on = statistics.median(r["decode_tok_s"] for r in on_rows)
         thr_off = statistics.median(r["decode_tok_s"] for r in off_rows)
         pairs = sorted(
             a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(on_rows, off_rows, strict=True)
         )
-        out[kind] = {
+        return {
             "throughput_on_tok_s": thr_on,
             "throughput_off_tok_s": thr_off,
             "ratio": thr_on / thr_off,
@@ -805,6 +854,10 @@ def bench_decode(st: Setup, args, progress) -> dict:
             "written_MB_s": {
                 k: statistics.median(r["written_MB_s"][k] for r in on_rows)
                 for k in on_rows[0]["written_MB_s"]
+            },
+            "dropped": {
+                k: statistics.median(r["tiers"][k]["dropped"] for r in on_rows)
+                for k in on_rows[0]["tiers"]
             },
             "accounted_ratio": statistics.median(r["accounted_ratio"] for r in on_rows),
             "tier_cpu_s_per_GB": statistics.median(r["tier_cpu_s_per_GB"] or 0.0 for r in on_rows),
@@ -817,6 +870,35 @@ def bench_decode(st: Setup, args, progress) -> dict:
             "runs_on": on_rows,
             "runs_off": off_rows,
         }
+
+    out: dict = {}
+    warm = prompts_of(rng, 2, 64, st.vocab)
+    drive(llm, warm, [dec_sp] * 2)
+    for kind in args.decode_kinds:
+        # Each round: the detached run and one run per variant, the order rotating.
+        conds: list[WriterVariant | None] = [None, *variants]
+        rows: dict[str, list[dict]] = {c.spec if c else "off": [] for c in conds}
+        for i in range(args.decode_reps):
+            k = i % len(conds)
+            for c in conds[k:] + conds[:k]:
+                rows[c.spec if c else "off"].append(run(kind, c))
+            progress(
+                f"decode ({kind} stream) round {i + 1}: off {rows['off'][-1]['decode_tok_s']:.1f}"
+                + "".join(f", {v.spec} {rows[v.spec][-1]['decode_tok_s']:.1f}" for v in variants)
+                + " tok/s"
+            )
+        res = {v.spec: summary(rows[v.spec], rows["off"]) for v in variants}
+        out[kind] = {
+            **res[variants[0].spec],
+            "variant": variants[0].spec,
+            "variants": {
+                spec: {k: v for k, v in r.items() if k not in ("runs_on", "runs_off")}
+                for spec, r in res.items()
+            },
+        }
+        for spec, r in res.items():
+            if spec != variants[0].spec:
+                out[kind]["variants"][spec]["runs_on"] = r["runs_on"]
     llm.shutdown()
     return out
 
@@ -945,6 +1027,11 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--decode-prefill-len", type=int, default=1024)
     ap.add_argument("--decode-batched-tokens", type=int, default=512)
     ap.add_argument("--decode-threads", type=int, default=None, help="torch threads of 4")
+    ap.add_argument(
+        "--decode-variants", nargs="+", default=["idle"],
+        help="writer settings of 4's runs with tiers (first: the headline), each against the "
+        "same detached runs: +-joined idle|nice, gap, duty=F (see WriterVariant)",
+    )  # fmt: skip
     ap.add_argument(
         "--heavy-mb-s", type=float, default=100.0,
         help="the heavy stream of 4, MB/s into every tier (0: as fast as they absorb)",

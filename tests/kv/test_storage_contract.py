@@ -174,6 +174,21 @@ def test_put_again_is_skipped_and_remove_forgets(storage_backend: Any) -> None:
     assert b.stats.corrupt == 0  # a removed chunk is absent, not bad
 
 
+def test_put_stores_the_callers_headers(storage_backend: Any) -> None:
+    """The storage worker makes each chunk's header (its full-content hash) once for every
+    tier: a tier stores the header it is given, never hashing again. A wrong header given is
+    stored as is and fails verification on read: a counted miss, never a wrong chunk."""
+    b = storage_backend
+    keys, payloads = keys_and_payloads(3)
+    headers = [CODEC.header(k, p) for k, p in zip(keys, payloads, strict=True)]
+    headers[2] = CODEC.header(keys[2], payloads[0])  # the hash of another payload
+    assert b.put(keys, payloads, headers) == [True] * 3
+    outs = outs_for(3)
+    assert b.get(keys, outs) == [True, True, False]
+    assert [bytes(o) for o in outs[:2]] == [bytes(p) for p in payloads[:2]]
+    assert b.stats.corrupt == 1 and b.exists(keys[2:]) == 0
+
+
 def test_typed_buffers(storage_backend: Any) -> None:
     """Host-tier slots arrive as memoryviews of any format (torch -> numpy views)."""
     import numpy as np

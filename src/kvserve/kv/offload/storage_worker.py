@@ -302,6 +302,8 @@ class StorageWorker:
 
 def split_even(items: list[int], parts: int) -> list[list[int]]:
     """``items`` in at most ``parts`` contiguous, non-empty shards of sizes differing by <= 1."""
+    if not items:
+        return []
     parts = max(1, min(parts, len(items)))
     q, r = divmod(len(items), parts)
     out, start = [], 0

@@ -1,0 +1,171 @@
+"""The storage worker on real tiers (disk and fs in a temporary directory, Redis on a real
+Valkey server): one hash per chunk for all tiers, staging reads in one shard per I/O thread
+read in that thread, writers under SCHED_IDLE, held while paused and to their duty cycle."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvserve.kv.backends import chunk_format, create_backend
+from kvserve.kv.backends.chunk_format import ChunkCodec
+from kvserve.kv.offload.storage_worker import ReadItem, StorageResult, StorageWorker, split_even
+
+CODEC = ChunkCodec(
+    model="0123456789abcdef", layout="L2-B16-H2-D32-bfloat16-k2", payload_bytes=1 << 16
+)
+TIMEOUT = 60.0  # generous: a loaded 2-core CI machine
+
+
+def chunks(n: int, seed: int = 0) -> tuple[list[bytes], list[memoryview]]:
+    import random
+
+    rng = random.Random(seed)
+    keys = [rng.randbytes(32) for _ in range(n)]
+    return keys, [memoryview(rng.randbytes(CODEC.payload_bytes)) for _ in range(n)]
+
+
+@pytest.fixture
+def tiers(tmp_path: Path, make_redis_backend: Callable[..., Any]) -> Iterator[list[Any]]:
+    """disk, fs and redis tiers (room for 64 chunks each), closed by the worker or here."""
+    made = [
+        create_backend("disk", CODEC, path=str(tmp_path / "disk"), size="8MiB"),
+        create_backend("fs", CODEC, path=str(tmp_path / "fs"), size="8MiB"),
+        make_redis_backend(CODEC),
+    ]
+    yield made
+    for t in made[:2]:
+        t.close()
+
+
+@pytest.fixture
+def make_worker() -> Iterator[Callable[..., StorageWorker]]:
+    workers: list[StorageWorker] = []
+
+    def make(tiers: list[Any], **kw: Any) -> StorageWorker:
+        w = StorageWorker(tiers, **kw)
+        workers.append(w)
+        return w
+
+    yield make
+    for w in workers:
+        w._reads.shutdown(wait=True)
+        w._writes.shutdown(wait=True)
+
+
+def wait_result(w: StorageWorker, op: int) -> StorageResult:
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        for r in w.poll():
+            if r.op_id == op:
+                return r
+        w.wait_any(0.05)
+    raise AssertionError(f"storage op {op} did not finish in {TIMEOUT} s")
+
+
+def test_split_even() -> None:
+    assert split_even(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert split_even([5, 6], 4) == [[5], [6]]
+    assert split_even([], 4) == []
+
+
+def test_one_hash_per_chunk_for_all_tiers(tiers, make_worker, monkeypatch) -> None:
+    """A cascade write of n chunks into three tiers hashes each payload once (not once per
+    tier), and every tier serves the chunks back verified."""
+    hashed: list[int] = []
+    digest = chunk_format.payload_digest
+
+    def counting(payload: Any) -> bytes:
+        hashed.append(len(payload))
+        return digest(payload)
+
+    monkeypatch.setattr(chunk_format, "payload_digest", counting)  # what header() hashes with
+    w = make_worker(tiers)
+    keys, payloads = chunks(6)
+    res = wait_result(w, w.write(keys, payloads))
+    assert res.ok == [True] * 6 and all(res.stored[t] == keys for t in range(3))
+    assert len(hashed) == 6
+    for tier in tiers:
+        outs = [memoryview(bytearray(CODEC.payload_bytes)) for _ in keys]
+        assert tier.get(keys, outs) == [True] * 6
+        assert [bytes(o) for o in outs] == [bytes(p) for p in payloads]
+
+
+def test_staging_read_one_shard_per_thread(tiers, make_worker) -> None:
+    """A read of 10 chunks of each tier is 4 get() calls per tier (contiguous shards, one per
+    I/O thread), each read in the calling thread: the disk and fs tiers start no threads."""
+    disk, fs, redis = tiers
+    w = make_worker(tiers, io_threads=4)
+    keys, payloads = chunks(30)
+    for t, tier in enumerate(tiers):
+        assert tier.put(keys[10 * t : 10 * t + 10], payloads[10 * t : 10 * t + 10]) == [True] * 10
+    calls: list[tuple[str, list[bytes], str]] = []
+    for tier in tiers:
+        get = tier.get
+
+        def recording(ks, outs, tier=tier, get=get):
+            calls.append((tier.name, list(ks), threading.current_thread().name))
+            return get(ks, outs)
+
+        tier.get = recording
+    before = {t.name for t in threading.enumerate()}
+    outs = [memoryview(bytearray(CODEC.payload_bytes)) for _ in keys]
+    items = [ReadItem(i // 10, k, o) for i, (k, o) in enumerate(zip(keys, outs, strict=True))]
+    res = wait_result(w, w.read(items))
+    assert res.ok == [True] * 30 and res.nbytes == 30 * CODEC.payload_bytes
+    assert [bytes(o) for o in outs] == [bytes(p) for p in payloads]
+    for t, tier in enumerate(tiers):
+        shards = [ks for name, ks, _ in calls if name == tier.name]
+        assert sorted(shards) == sorted(split_even(keys[10 * t : 10 * t + 10], 4))
+    assert all(th.startswith("kv-storage-io") for _, _, th in calls)
+    started = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in started if not n.startswith("kv-storage-io")], started
+
+
+def test_writers_run_under_sched_idle(tiers, make_worker) -> None:
+    """Writes run on cores the engine leaves idle: the writer threads' policy is SCHED_IDLE."""
+    fs = tiers[1]
+    policies: list[int] = []
+    put = fs.put
+
+    def recording(*a: Any) -> list[bool]:
+        policies.append(os.sched_getscheduler(0))
+        return put(*a)
+
+    fs.put = recording
+    w = make_worker([fs], write_batch=2)
+    keys, payloads = chunks(4)
+    assert wait_result(w, w.write(keys, payloads)).ok == [True] * 4
+    assert policies == [os.SCHED_IDLE] * 2
+
+
+def test_paused_writes_wait_for_resume(tiers, make_worker) -> None:
+    """While the engine computes a step (paused), a queued write does not start; it runs once
+    writes resume."""
+    fs = tiers[1]
+    w = make_worker([fs])
+    keys, payloads = chunks(2)
+    w.pause_writes()
+    op = w.write(keys, payloads)
+    time.sleep(0.3)
+    assert fs.exists(keys) == 0 and not w.poll()
+    w.resume_writes()
+    assert wait_result(w, op).ok == [True, True] and fs.exists(keys) == 2
+
+
+def test_duty_cycle_spaces_the_writes(tiers, make_worker) -> None:
+    """Held to a duty cycle of 1/4, writers idle three times as long as each batch took."""
+    disk = tiers[0]
+    w = make_worker([disk], write_batch=1, write_duty=0.25)
+    keys, payloads = chunks(8)
+    t0 = time.perf_counter()
+    assert wait_result(w, w.write(keys, payloads)).ok == [True] * 8
+    wall = time.perf_counter() - t0
+    busy = disk.stats.write_s  # the puts alone (the worker's own measure includes the header)
+    assert wall >= busy + 3 * busy * 7 / 8 * 0.9, (wall, busy)
