@@ -32,7 +32,9 @@ class EngineConfig:
     model: str = ""  # local Hugging Face-format model directory
     tokenizer: str | None = None  # defaults to the model directory
     served_model_name: str | None = None  # name in the API; defaults to the directory name
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bf16 on CUDA, fp32 on CPU)
+    # auto: bf16 on CUDA; on CPU bf16 with native bf16 (AVX512_BF16/AMX) unless the checkpoint
+    # is fp32, else fp32
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str = "auto"  # auto | native | torch (auto: native on CPU when built)
     block_size: int = 16  # tokens per KV block
@@ -45,7 +47,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     prefix_hash_seed: str = "kvserve"  # seed of the block hash chain (same on every instance)
     seed: int = 0  # default sampling seed
-    num_threads: int | None = None  # torch intra-op threads on CPU
+    # torch intra-op threads on CPU (default: the usable cores, one fewer from 4 cores on, at
+    # most torch's own default; see engine/model_runner.configure_threads)
+    num_threads: int | None = None
     debug: bool = False  # check pool integrity after every step
     # KV connector (offloading, P/D transfer); None disables.
     kv_connector: str | None = None

@@ -8,6 +8,9 @@ cache tensor's lifetime beyond allocating it (``allocate_kv_cache``).
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
 from kvserve.config import EngineConfig
@@ -22,17 +25,54 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model, resolve_device, resolve_dtype
 
+# Cores left to the rest of the process on CPU engines, from this many usable cores on: the
+# server's event loop (HTTP, detokenizing), its tokenizer process, the offload and storage
+# threads. OpenMP threads spin at barriers, so a torch thread that has to share its core with
+# them stalls the whole team at every op; with 2-3 cores one thread fewer costs more GEMM
+# throughput than the sharing does, so small machines use them all.
+RESERVED_CORES = 1
+RESERVE_FROM_CORES = 4
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask; cgroup quotas are not read)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def configure_threads(num_threads: int | None, device: torch.device) -> int:
+    """Set torch's intra-op threads once per process and return the count.
+
+    ``num_threads`` given: exactly that. Otherwise, on CPU, the usable cores minus
+    :data:`RESERVED_CORES` (from :data:`RESERVE_FROM_CORES` cores on), never more than torch
+    already has: its default is the physical cores (hyper-threads are left to the server), and
+    a count set earlier in the process (``OMP_NUM_THREADS``, a test session's 1) is kept. On
+    CUDA torch's CPU threads only prepare batches: they are left as they are."""
+    if num_threads:
+        if num_threads != torch.get_num_threads():
+            torch.set_num_threads(num_threads)
+        return num_threads
+    current = torch.get_num_threads()
+    if device.type != "cpu":
+        return current
+    cores = usable_cores()
+    want = min(current, cores - RESERVED_CORES if cores >= RESERVE_FROM_CORES else cores)
+    if want != current:
+        torch.set_num_threads(want)
+    return want
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if not config.model:
             raise ValueError("EngineConfig.model (a local model directory) is required")
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.num_threads = configure_threads(config.num_threads, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.block_size = config.block_size
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, config=self.model_config
@@ -97,7 +137,7 @@ class ModelRunner:
         if len(sample_idx) == hidden.shape[0]:  # e.g. a decode-only step: every row samples
             logits = self.model.compute_logits(hidden)
         else:
-            idx = torch.tensor(sample_idx, device=self.device)
+            idx = self._tensor(sample_idx)
             logits = self.model.compute_logits(hidden.index_select(0, idx))
         rows = [
             SamplingRow(r.request_id, r.sampling_params, r.num_output_tokens, r.eos_token_id)
@@ -151,15 +191,32 @@ class ModelRunner:
             query_lens.append(n)
             computed.append(c)
             tables.append(so.block_ids[r.request_id])
+        # Built on the host; on a GPU its tensors go over in pinned, non-blocking copies.
         meta = AttentionMetadata.build(
             block_size=self.block_size,
             query_lens=query_lens,
             num_computed=computed,
             block_tables=tables,
-            device=self.device,
         )
         if input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return reqs, meta, ids_t, pos_t
+        if self.device.type != "cpu":
+            self._metadata_to_device(meta)
+        return reqs, meta, self._tensor(input_ids), self._tensor(positions)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the device; on a GPU from pinned memory without a host sync."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _metadata_to_device(self, meta: AttentionMetadata) -> None:
+        """Move every tensor of ``meta`` (and of its prefills) to the device: pinned host
+        memory and ``non_blocking`` copies, so the step never waits for the GPU here."""
+        for obj in (meta, *meta.prefills):
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if isinstance(value, torch.Tensor) and value.device != self.device:
+                    value = value.pin_memory().to(self.device, non_blocking=True)
+                    setattr(obj, f.name, value)

@@ -223,5 +223,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` in the model dtype."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied embeddings (unless packed: then a packed copy)
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
