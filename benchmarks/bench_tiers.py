@@ -33,6 +33,7 @@ Results: benchmarks/results/tiers_<preset>.{md,json,png} (``--quick``: tiers_qui
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -710,27 +711,37 @@ class Feeder:
             s._cond.wait_for(lambda: not s._inflight, timeout=120)
 
 
+def set_process_policy(pid: int, policy: int) -> None:
+    """Every thread of process ``pid`` to scheduling ``policy`` (priority 0)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+
+
 class WriterVariant:
     """How the storage writers run in one "on" run of measurement 4: ``+``-joined settings,
     ``idle`` / ``nice`` (the writer threads' scheduling: ``SCHED_IDLE``, the default, or nice
     19), ``gap`` (writes paused while the engine computes a step, resumed between steps; what
     a connector that signals step boundaries would do), ``duty=F`` (writers held to a duty
-    cycle F)."""
+    cycle F), ``srvidle`` (the local Valkey server's threads under ``SCHED_IDLE`` too: a
+    deployment choice for a server sharing the engine's cores)."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
-        self.policy, self.gap, self.duty = "idle", False, 1.0
+        self.policy, self.gap, self.duty, self.server_idle = "idle", False, 1.0, False
         for part in spec.split("+"):
             if part in ("idle", "nice"):
                 self.policy = part
             elif part == "gap":
                 self.gap = True
+            elif part == "srvidle":
+                self.server_idle = True
             elif part.startswith("duty="):
                 self.duty = float(part[5:])
             else:
                 raise ValueError(f"writer variant {spec!r}: unknown {part!r}")
 
-    def apply(self, llm: LLM, storage) -> Callable[[], None]:
+    def apply(self, llm: LLM, storage, server_pid: int) -> Callable[[], None]:
         """Set it up on the engine; returns the undo."""
         from kvserve.kv.backends.storage import lower_thread_priority
 
@@ -753,12 +764,16 @@ class WriterVariant:
         storage.write_duty = self.duty
         if self.gap:
             runner.execute_model = execute_paused
+        if self.server_idle:
+            set_process_policy(server_pid, os.SCHED_IDLE)
 
         def undo() -> None:
             storage._write = write
             storage.write_duty = 1.0
             runner.execute_model = execute
             storage.resume_writes()
+            if self.server_idle:
+                set_process_policy(server_pid, os.SCHED_OTHER)
 
         return undo
 
@@ -792,7 +807,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
             prompts += prompts_of(rng, args.decode_prefills, args.decode_prefill_len, st.vocab)
             params += [pre_sp] * args.decode_prefills
         switch.set(on)
-        undo = variant.apply(llm, switch.storage) if variant else lambda: None
+        undo = variant.apply(llm, switch.storage, st.redis.proc.pid) if variant else lambda: None
         before_t = tier_counts(llm) if on else {}
         s0 = acct.snapshot()
         c0 = timer.seconds
