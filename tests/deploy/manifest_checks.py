@@ -36,13 +36,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S_VERSION = "1.33.0"  # the oldest Kubernetes the manifests target
-CRD = (
-    REPO.parent
-    / "shared"
-    / "specs"
-    / "gateway-api-inference-extension"
-    / "inference.networking.k8s.io_inferencepools.yaml"
-)
+CRD = DEPLOY / "crds" / "inference.networking.k8s.io_inferencepools.yaml"
 WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 GATEWAY_API = "gateway.networking.k8s.io/"
 Doc = dict[str, Any]

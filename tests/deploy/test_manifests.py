@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from .manifest_checks import DEPLOY, REPO, Doc, Manifests, render
+from .manifest_checks import CRD, DEPLOY, REPO, Doc, Manifests, render
 
 KUSTOMIZATIONS = sorted(
-    str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml")
+    str(p.parent.relative_to(DEPLOY))
+    for p in DEPLOY.rglob("kustomization.yaml")
+    if p.parent.name != "crds"  # the cluster-wide CRD, installed once (tested below)
 )
 
 
@@ -31,6 +33,14 @@ def test_every_overlay_is_here() -> None:
         "overlays/pd",
         "overlays/shared-tier",
     ]
+
+
+def test_crds_install_the_inferencepool_crd_the_manifests_are_checked_against() -> None:
+    (crd,) = render(DEPLOY / "crds")
+    assert crd["kind"] == "CustomResourceDefinition"
+    assert crd["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    assert CRD.parent == DEPLOY / "crds"
+    assert any(v["name"] == "v1" and v["served"] for v in crd["spec"]["versions"])
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
