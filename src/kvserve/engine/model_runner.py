@@ -19,6 +19,8 @@ from kvserve.engine.attention import (
     get_attention_backend,
     set_attention_backend,
 )
+from kvserve.engine.attention.flashinfer_backend import AVAILABLE as FLASHINFER
+from kvserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 from kvserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRow
@@ -77,7 +79,7 @@ class ModelRunner:
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, config=self.model_config
         )
-        self.attn_backend = get_attention_backend(self.device, config.attention_backend)
+        self.attn_backend = self._pick_attention_backend()
         set_attention_backend(self.model, self.attn_backend)
         self.sampler = Sampler(config.seed)
         self.kv_cache: torch.Tensor | None = None
@@ -88,6 +90,21 @@ class ModelRunner:
             )
         self.max_model_len = config.max_model_len or max_len
         self.vocab_size = self.model_config.vocab_size
+
+    def _pick_attention_backend(self):
+        """KERNEL's choice (``get_attention_backend``), except that ``auto`` on CUDA takes
+        FlashInfer when it imports (``KVSERVE_ATTENTION_BACKEND=torch`` keeps torch)."""
+        name = self.config.attention_backend
+        env = os.environ.get("KVSERVE_ATTENTION_BACKEND") or "auto"
+        if self.device.type == "cuda" and name == "auto" and env == "auto" and FLASHINFER:
+            m = self.model_config
+            backend = FlashInferAttentionBackend(self.device)
+            backend.configure(
+                m.num_attention_heads, m.num_key_value_heads, m.head_dim, self.dtype,
+                m.head_dim**-0.5,
+            )  # fmt: skip
+            return backend
+        return get_attention_backend(self.device, name)
 
     # -- KV cache ------------------------------------------------------------------------
     @property
@@ -201,6 +218,9 @@ class ModelRunner:
         if input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         if self.device.type != "cpu":
+            plan = getattr(self.attn_backend, "plan", None)
+            if plan is not None:  # FlashInfer: page lists from the host-side metadata
+                plan(meta)
             self._metadata_to_device(meta)
         return reqs, meta, self._tensor(input_ids), self._tensor(positions)
 
