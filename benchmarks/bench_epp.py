@@ -9,10 +9,11 @@ within 5%).
 1. Overhead (``bench_router_overhead.py``'s fast fake backends, prompts and open-loop Poisson
    load generator): one `kvserve route --epp-port P` process is both the HTTP router and the
    EPP (one scheduling core); one Envoy (``kvserve.bench.envoy``, 1 worker thread) has the
-   ext_proc listener and a listener without ext_proc to a fixed backend. Four arms rotate
-   in blocks (direct, Envoy fixed upstream, Envoy + EPP, HTTP router) so all see the same
-   machine; added latency is a percentile difference (EPP: Envoy + EPP - Envoy fixed;
-   router: router - direct).
+   ext_proc listener and a listener without ext_proc to a fixed backend; a second Envoy
+   asks a do-nothing ext_proc service on grpcio (the floor of any Python EPP). Five arms
+   rotate in blocks (direct, Envoy fixed upstream, Envoy + null processor, Envoy + EPP,
+   HTTP router) so all see the same machine; added latency is a percentile difference
+   (EPP: Envoy + EPP - Envoy fixed; router: router - direct).
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
    real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
    workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
@@ -48,7 +49,6 @@ from kvserve.bench.local_cluster import ClusterSpec, LocalCluster, free_port  # 
 from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ARMS = ("direct", "envoy_fixed", "envoy_epp", "router")
 GOALS = {"rate": 200, "epp_p50_ms": 2.0, "epp_p99_ms": 8.0, "vs_router_ms": 1.0, "quality": 0.05}
 
 
@@ -65,7 +65,50 @@ def _stop(p: subprocess.Popen | None) -> None:
 # ------------------------------------------------------------------------------ overhead
 
 
-async def _measure(args, urls_of: dict[str, list[str]], pids: dict[str, int]) -> list[dict]:
+async def serve_null_processor(port: int, destination: str) -> None:
+    """The floor of any ext_proc service in Python on grpcio: the same message contract as
+    the EPP (full-duplex request body echoed, response headers and body continued), one
+    fixed destination, no scheduling."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from kvserve.cluster.epp.processor import Pick, _echo
+
+    pick = Pick([destination])
+    cont = pb.CommonResponse()
+
+    class Null(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):  # noqa: N802
+            body = []
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("request")
+                if kind == "request_body":
+                    body.append(msg.request_body.body)
+                    if msg.request_body.end_of_stream:
+                        yield pb.ProcessingResponse(
+                            request_headers=pb.HeadersResponse(
+                                response=pb.CommonResponse(header_mutation=pick.mutation)
+                            ),
+                            dynamic_metadata=pick.metadata,
+                        )
+                        for out in _echo(b"".join(body), True, request=True):
+                            yield out
+                elif kind == "response_headers":
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
+                elif kind == "response_body":
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=cont))
+
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _measure(
+    args, urls_of: dict[str, list[str]], pids: dict[str, dict[str, int]]
+) -> list[dict]:
     rows = []
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
@@ -74,16 +117,16 @@ async def _measure(args, urls_of: dict[str, list[str]], pids: dict[str, int]) ->
         for rate in args.rates:
             lat: dict[str, list[float]] = {k: [] for k in urls_of}
             errors = dict.fromkeys(urls_of, 0)
-            cpu = {k: 0.0 for k in pids}
-            n_epp = 0
+            cpu = {name: 0.0 for procs in pids.values() for name in procs}
+            n = dict.fromkeys(urls_of, 0)
             for k in range(args.blocks):
                 for arm, urls in urls_of.items():
-                    c0 = {name: sum(overhead.proc_cpu_s(pid)) for name, pid in pids.items()}
+                    procs = pids.get(arm, {})
+                    c0 = {name: sum(overhead.proc_cpu_s(pid)) for name, pid in procs.items()}
                     got, err = await overhead.run_phase(s, urls, rate, args.block_s, 1000 * k)
-                    if arm == "envoy_epp":
-                        for name, pid in pids.items():
-                            cpu[name] += sum(overhead.proc_cpu_s(pid)) - c0[name]
-                        n_epp += len(got) + err
+                    for name, pid in procs.items():  # CPU of the processes on this arm's path
+                        cpu[name] += sum(overhead.proc_cpu_s(pid)) - c0[name]
+                    n[arm] += len(got) + err
                     lat[arm].extend(got)
                     errors[arm] += err
             row: dict = {"rate": rate, "errors": errors, "loadavg_1m": os.getloadavg()[0]}
@@ -95,8 +138,10 @@ async def _measure(args, urls_of: dict[str, list[str]], pids: dict[str, int]) ->
                 row[f"epp_added_{q}_ms"] = row[f"envoy_epp_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
                 row[f"router_added_{q}_ms"] = row[f"router_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"envoy_hop_{q}_ms"] = row[f"envoy_fixed_{q}_ms"] - row[f"direct_{q}_ms"]
-            for name, c in cpu.items():  # during the Envoy + EPP blocks
-                row[f"{name}_cpu_ms_per_request"] = 1e3 * c / max(n_epp, 1)
+                row[f"null_added_{q}_ms"] = row[f"envoy_null_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
+            for arm, procs in pids.items():
+                for name in procs:
+                    row[f"{name}_cpu_ms_per_request"] = 1e3 * cpu[name] / max(n[arm], 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -108,8 +153,8 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         stdout=subprocess.PIPE,
         text=True,
     )
-    router_proc = None
-    envoy = None
+    router_proc = null_proc = None
+    envoy = envoy_null = None
     try:
         ports = json.loads(backend_proc.stdout.readline())["ports"]
         backends = [f"http://127.0.0.1:{p}" for p in ports]
@@ -124,18 +169,36 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         envoy = Envoy(
             EnvoySpec(("127.0.0.1", gport), direct_upstream=("127.0.0.1", ports[0])), workdir
         ).start()
+        nport = free_port()
+        null_proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--serve-null-processor",
+                str(nport),
+                f"127.0.0.1:{ports[0]}",
+            ]
+        )
+        envoy_null = Envoy(EnvoySpec(("127.0.0.1", nport)), workdir).start()
         urls_of = {
             "direct": [backends[0] + "/v1/completions"],
             "envoy_fixed": [envoy.direct_url + "/v1/completions"],
+            "envoy_null": [envoy_null.url + "/v1/completions"],
             "envoy_epp": [envoy.url + "/v1/completions"],
             "router": [router + "/v1/completions"],
         }
         assert envoy.popen is not None
-        pids = {"epp": router_proc.pid, "envoy": envoy.popen.pid}
+        pids = {
+            "envoy_epp": {"epp": router_proc.pid, "envoy": envoy.popen.pid},
+            "envoy_null": {"null_processor": null_proc.pid},
+            "router": {"router": router_proc.pid},
+        }
         return asyncio.run(_measure(args, urls_of, pids))
     finally:
-        if envoy is not None:
-            envoy.stop()
+        for e in (envoy, envoy_null):
+            if e is not None:
+                e.stop()
+        _stop(null_proc)
         _stop(router_proc)
         _stop(backend_proc)
 
@@ -265,13 +328,15 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "",
         "Arms rotate in blocks of "
         f"{args.block_s:g} s ({args.blocks} per arm and rate). EPP added = Envoy+EPP - Envoy "
-        "fixed upstream; router added = HTTP router - direct. No CPU pinning: load generator,",
-        "backends, Envoy and the router/EPP process share the 2 cores.",
+        "fixed upstream; router added = HTTP router - direct; null processor added = Envoy with",
+        "a do-nothing ext_proc service on grpcio (same messages, fixed pick) - Envoy fixed: the",
+        "floor of any Python ext_proc service. No CPU pinning: load generator, backends, Envoy",
+        "and the router/EPP process share the 2 cores (and the machine with other work: see load).",
         "",
         "| req/s | n per arm | direct p50/p99 | Envoy fixed p50/p99 | Envoy+EPP p50/p99 | "
-        "router p50/p99 | **EPP added p50/p99** | router added p50/p99 | CPU ms/req EPP / "
-        "Envoy | errors | load |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "router p50/p99 | **EPP added p50/p99** | router added p50/p99 | null processor "
+        "added p50/p99 | CPU ms/req EPP / null processor / router / Envoy | errors | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in over:
         lines.append(
@@ -282,7 +347,9 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             f"{r['router_p50_ms']:.2f} / {r['router_p99_ms']:.2f} | "
             f"**{r['epp_added_p50_ms']:.2f} / {r['epp_added_p99_ms']:.2f}** | "
             f"{r['router_added_p50_ms']:.2f} / {r['router_added_p99_ms']:.2f} | "
-            f"{r['epp_cpu_ms_per_request']:.2f} / {r['envoy_cpu_ms_per_request']:.2f} | "
+            f"{r['null_added_p50_ms']:.2f} / {r['null_added_p99_ms']:.2f} | "
+            f"{r['epp_cpu_ms_per_request']:.2f} / {r['null_processor_cpu_ms_per_request']:.2f} / "
+            f"{r['router_cpu_ms_per_request']:.2f} / {r['envoy_cpu_ms_per_request']:.2f} | "
             f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
         )
     if qual and sizes:
@@ -322,7 +389,14 @@ def main() -> None:
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
     ap.add_argument("--out", default=str(RESULTS / "epp"))
+    ap.add_argument("--serve-null-processor", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_null_processor:
+        import uvloop
+
+        port, destination = args.serve_null_processor
+        uvloop.run(serve_null_processor(int(port), destination))
+        return
     if args.quick:
         args.blocks, args.block_s, args.reps = 1, 2.0, 1
     started = time.monotonic()

@@ -213,6 +213,21 @@ def test_a_1mb_body_passes_intact(stack):
     assert f"has {len(ids)} tokens" in via.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("mode", ["BUFFERED", "STREAMED"])
+def test_the_other_body_modes(stack, tmp_path, mode):
+    """Envoy buffering the body (the pick rides on the body response) or streaming it
+    while the headers wait: the same answers as the extension's full-duplex mode."""
+    _, epp, _ = stack
+    with Envoy(EnvoySpec(("127.0.0.1", epp.grpc_port), request_body_mode=mode), tmp_path) as e:
+        body = {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": 2}
+        assert _served(_complete(e.url, body))[0] in epp.state()
+        ids = list(range(100000, 240000))
+        r = _complete(e.url, {"model": "tiny", "prompt": ids, "max_tokens": 1})
+        assert r.status_code == 400 and f"has {len(ids)} tokens" in r.json()["error"]["message"]
+        r = httpx.post(e.url + "/v1/completions", content=b"[1, 2", timeout=30)
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
 def test_subset_hint_is_honoured(stack):
     cluster, epp, envoy = stack
     names = {e["url"].removeprefix("http://"): n for n, e in epp.state().items()}

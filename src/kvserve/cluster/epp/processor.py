@@ -98,7 +98,7 @@ def immediate(
 
 
 class Pick:
-    """What the EPP answered: the fallback list and the request as the core saw it."""
+    """The answer: the ordered fallback list as a header mutation and ``envoy.lb`` metadata."""
 
     __slots__ = ("value", "mutation", "metadata")
 
@@ -128,7 +128,7 @@ class ExtProcStream:
         self.req: RoutingRequest | None = None
         self.counted: Endpoint | None = None  # holds one in-flight count of it
         self.t_pick = 0.0
-        self.served_learned = False
+        self.partial = False  # the body the pick sees is cut short (BUFFERED_PARTIAL)
 
     # ------------------------------------------------------------------ request path
 
@@ -163,7 +163,7 @@ class ExtProcStream:
             self.headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
         mode = self.request_mode
         deferred = mode == FULL_DUPLEX or (mode == STREAMED and self.body_early)
-        if msg.request_headers.end_of_stream or mode in (NONE, STREAMED) and not deferred:
+        if msg.request_headers.end_of_stream or (mode in (NONE, STREAMED) and not deferred):
             # No body, or none the EPP will see before the headers must go: pick on headers.
             result = await self._pick(msg, b"")
             if isinstance(result, pb.ProcessingResponse):
@@ -192,6 +192,7 @@ class ExtProcStream:
                 ]  # fmt: skip
         self.chunks += 1
         if b.end_of_stream or self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
+            self.partial = not b.end_of_stream  # BUFFERED_PARTIAL: over Envoy's buffer
             return await self._finish_request(msg, end_of_stream=True)
         return []
 
@@ -252,21 +253,22 @@ class ExtProcStream:
                     503, "no endpoint of the gateway's subset hint is known to the picker",
                     "service_unavailable", retry_after=core.config.retry_after_s,
                 )  # fmt: skip
+        body = None
+        if chat is not None and data:
+            try:
+                body = _json_decode(data)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                if not self.partial:  # (a BUFFERED_PARTIAL body cut short: pick by load)
+                    metrics.rejected_of(400).inc()
+                    return immediate(400, "request body is not valid JSON", "invalid_request_error")
+            if body is not None and not isinstance(body, dict):
+                metrics.rejected_of(400).inc()
+                return immediate(400, "request body must be a JSON object", "invalid_request_error")
         try:
-            if chat is None or not data:  # not a completion (or no body): pick by load
+            if chat is None or body is None:  # not a completion (or no body): pick by load
                 req = RoutingRequest(seed=core.config.prefix_hash_seed)
                 decision = core.scheduler.schedule(req, endpoints)
             else:
-                try:
-                    body = _json_decode(data)
-                except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-                    metrics.rejected_of(400).inc()
-                    return immediate(400, "request body is not valid JSON", "invalid_request_error")
-                if not isinstance(body, dict):
-                    metrics.rejected_of(400).inc()
-                    return immediate(
-                        400, "request body must be a JSON object", "invalid_request_error"
-                    )
                 session = self.headers.get(epp.session_header)
                 req, decision = await core.decide(body, chat, session, endpoints, split=False)
         except BadRequestError as e:
@@ -280,7 +282,7 @@ class ExtProcStream:
                 e.status, e.message, "service_unavailable", retry_after=core.config.retry_after_s
             )
         ranked = [e for e in decision.ranked if e.healthy][: core.config.max_attempts]
-        ranked = [e for e in ranked if e.in_flight < epp.max_in_flight] or []
+        ranked = [e for e in ranked if e.in_flight < epp.max_in_flight]
         if not ranked:
             metrics.rejected_of(429).inc()
             return immediate(
