@@ -430,3 +430,53 @@ def test_queued_jobs_of_one_direction_run_as_one_batch() -> None:
     finally:
         gate.set()
         worker.shutdown()
+
+
+def poll_until(worker, n: int, timeout: float = 10.0) -> list:
+    """Poll (without waiting in the worker, which would make stores urgent) for n results."""
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += worker.poll()
+        time.sleep(0.002)
+    return out
+
+
+def test_stores_wait_for_the_gap_between_forward_passes_and_loads_pass_them() -> None:
+    """A store submitted during a forward pass copies once it ends; a load submitted after
+    it runs first; a store lagging more than ``store_max_lag`` passes, or waited for, copies
+    during a forward pass (and its CPU time is counted as such)."""
+    kv = kv_cache(11)
+    tier = tier_for(kv, 1, slots=8)
+    tier.allocate_slots(8)
+    tier.blocks[5].copy_(kv[7])
+    tier.record([5], [b"hit"])
+    worker = CpuTransferWorker(kv, tier)
+    try:
+        worker.forward_begins()
+        worker.submit(TransferJob(0, True, [ChunkCopy(0, b"s0", [1])]))
+        worker.submit(TransferJob(1, False, [ChunkCopy(5, b"hit", [9])]))
+        (res,) = poll_until(worker, 1)
+        assert res.job_id == 1 and res.ok and torch.equal(kv[9], kv[7])
+        assert poll_until(worker, 1, timeout=0.3) == []  # the store waits for the gap
+        assert tier.header(0) is None
+        worker.forward_ends()
+        (res,) = poll_until(worker, 1)
+        assert res.job_id == 0 and res.ok and torch.equal(tier.chunk_view(0)[0], kv[1])
+        assert worker.store_cpu_s > 0 and worker.store_cpu_in_forward_s == 0
+
+        worker.forward_begins()  # a store that lags too long copies during a forward pass
+        worker.submit(TransferJob(2, True, [ChunkCopy(1, b"s1", [2])]))
+        assert poll_until(worker, 1, timeout=0.2) == []
+        for _ in range(worker.store_max_lag + 1):
+            worker.forward_ends()
+            worker.forward_begins()
+        (res,) = poll_until(worker, 1)
+        assert res.job_id == 2 and res.ok
+        assert worker.store_cpu_in_forward_s > 0
+
+        worker.submit(TransferJob(3, True, [ChunkCopy(2, b"s2", [3])]))  # still in forward
+        worker.wait([3])  # a flush (preemption) does not wait for the gap
+        assert [r.job_id for r in worker.poll()] == [3]
+    finally:
+        worker.shutdown()

@@ -170,11 +170,15 @@ def copy_blocks(
     non_blocking: bool = False,
     threads: CopyThreads | None = None,
     alongside: Callable[[], None] | None = None,
+    piece_bytes: int = 0,
+    between_pieces: Callable[[], None] | None = None,
 ) -> int:
     """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i; returns the bytes copied.
 
     ``threads``: host-to-host copies are split by bytes across them (else one thread).
-    ``alongside``: run on the calling thread during the copy (before it, without threads)."""
+    ``alongside``: run on the calling thread during the copy (before it, without threads).
+    ``between_pieces`` (one thread, host to host): called before each piece of at most
+    ``piece_bytes`` (a store pauses there while a forward pass runs)."""
     runs = block_runs(src_ids, dst_ids)
     n_src, n_dst = src.shape[0], dst.shape[0]
     for s, d, n in runs:  # numpy and torch would silently shorten an out-of-range slice
@@ -185,7 +189,12 @@ def copy_blocks(
         row = s_np.shape[1]
         segments = [(s * row, d * row, n * row) for s, d, n in runs]
         flat_src, flat_dst = s_np.reshape(-1), d_np.reshape(-1)
-        if threads is None:
+        if between_pieces is not None and piece_bytes > 0:
+            total = sum(n for _, _, n in segments)
+            for piece in split_segments(segments, max(1, -(-total // piece_bytes))):
+                between_pieces()
+                _copy_segments(flat_src, flat_dst, piece)
+        elif threads is None:
             if alongside is not None:
                 alongside()
             _copy_segments(flat_src, flat_dst, segments)

@@ -83,6 +83,7 @@ class OffloadConnectorMetadata:
     # Storage-tier hits to stage into host-tier slots (job id -> reads); the job's copy to the
     # primary pool starts once they are in.
     reads: list[tuple[int, list[ReadItem]]] = field(default_factory=list)
+    forward: bool = False  # the step computes tokens (a forward pass runs)
 
 
 @dataclass
@@ -161,10 +162,16 @@ class OffloadingConnector(KVConnectorBase):
         # can fill at one token per step (entries whose request moved on are skipped).
         self._step = 0
         self._due: dict[int, list[str]] = {}
+        # Store chunks submitted and not completed (stores may lag: see the worker), and the
+        # most allowed: beyond it later steps' chunks are not stored (counted), since every
+        # lagging store holds primary-pool blocks of its (maybe finished) request.
+        self._store_chunks_pending = 0
+        self.max_pending_store_chunks = 0  # set with the primary pool, in register_kv_caches
         self._stats = KVConnectorStats()
         self._counts = {
             "load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0,
             "tier_loaded_chunks": 0, "tier_failed_chunks": 0, "tier_lookup_timeouts": 0,
+            "dropped_store_chunks": 0,
         }  # fmt: skip
         # Storage tiers below the host tier (created with it, in register_kv_caches).
         self.tier_specs = load_tier_specs(config.kv_tier, config.kv_tiers_config)
@@ -196,6 +203,7 @@ class OffloadingConnector(KVConnectorBase):
             tier, self.policy_name, block_size=self.block_size, emit_events=self.emit_events
         )
         self.worker = make_transfer_worker(kv_caches, tier)
+        self.max_pending_store_chunks = max(1, kv_caches.shape[0] // (2 * self.blocks_per_chunk))
         if self.tier_specs:
             codec = ChunkCodec(fingerprint, layout.describe(), layout.chunk_bytes)
             self.tiers = [
@@ -357,6 +365,7 @@ class OffloadingConnector(KVConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         meta = OffloadConnectorMetadata(loads=self._loads_to_start, reads=self._reads_to_start)
         self._loads_to_start, self._reads_to_start = [], []
+        meta.forward = scheduler_output.total_num_scheduled_tokens > 0
         step = self._step = self._step + 1
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Requests that may complete a chunk this step: those due now, and those computing
@@ -388,6 +397,7 @@ class OffloadingConnector(KVConnectorBase):
         if chunks:  # one job for the step: one submission, one batch of copies
             job = TransferJob(next(self._job_ids), is_store=True, chunks=chunks)
             self._jobs[job.job_id] = _JobRecord(job, "", store_reqs=store_reqs)
+            self._store_chunks_pending += len(chunks)
             for rid in store_reqs:
                 self._reqs[rid].store_jobs.add(job.job_id)
             meta.stores.append(job)
@@ -443,6 +453,9 @@ class OffloadingConnector(KVConnectorBase):
         """Reserve tier slots for chunks ``first .. end - 1`` of ``request`` not held yet
         (keys already held or being stored are skipped by the manager)."""
         k = self.blocks_per_chunk
+        if self._store_chunks_pending > self.max_pending_store_chunks:
+            self._counts["dropped_store_chunks"] += end - first  # earlier stores lag: drop
+            return False
         keys = self._chunk_keys(request, first, end)
         metas = (
             [self._chunk_meta(request, i) for i in range(first, end)] if self.emit_events else None
@@ -556,6 +569,10 @@ class OffloadingConnector(KVConnectorBase):
                 "failed_store_chunks": float(ms.store_failed),
                 **{k: float(v) for k, v in self._counts.items()},
             }
+            w = self.worker
+            if w is not None and hasattr(w, "store_cpu_s"):
+                out.extra["store_cpu_s"] = w.store_cpu_s
+                out.extra["store_cpu_in_forward_s"] = w.store_cpu_in_forward_s
         for tier in self.tiers:
             used, cap = tier.usage()
             row = tier.stats.as_dict()
@@ -571,15 +588,19 @@ class OffloadingConnector(KVConnectorBase):
             for job_id, items in metadata.reads:
                 if job_id in self._jobs:
                     self._read_ops[self.storage.read(items)] = job_id
-        for job in metadata.loads:
-            if job.job_id in self._jobs:  # not cancelled by an abort since scheduling
-                self.worker.submit(job)
+        loads = [job for job in metadata.loads if job.job_id in self._jobs]  # not aborted since
+        if loads:
+            self.worker.submit_many(loads)
+        if metadata.forward:
+            self.worker.forward_begins()
 
     def wait_for_save(self, metadata: OffloadConnectorMetadata | None) -> None:
         if metadata is None or self.worker is None:
             return
-        for job in metadata.stores:
-            self.worker.submit(job)
+        if metadata.forward:
+            self.worker.forward_ends()
+        if metadata.stores:
+            self.worker.submit_many(metadata.stores)
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         """Preempted requests' blocks are reused by this step's forward: finish their stores."""
@@ -629,6 +650,7 @@ class OffloadingConnector(KVConnectorBase):
             job, rid = rec.job, rec.req_id
             keys = [c.key for c in job.chunks]
             if job.is_store:
+                self._store_chunks_pending -= len(keys)
                 mgr.complete_store(keys, success=res.ok)
                 if res.ok and self.storage is not None:
                     self._cascade(keys)

@@ -9,12 +9,17 @@ requests or eviction. A job copies whole engine blocks of a few chunks in one di
   verifies while its copy threads copy, so a bad chunk's bytes may reach its blocks; the CUDA
   worker verifies before it queues the copies.
 
-On the CPU a background thread runs jobs in submission order (copies release the GIL, so they
-overlap the forward pass); a step's loads or stores run as one batch, copied with streaming
-stores (:mod:`block_copy`). A store copies on that one thread (it overlaps the next forward
-pass and takes at most one core from it; making the forward wait for it instead was measured
-no better), a load (requests wait for it) is cut into pieces that copy threads, one per core,
-claim while the transfer thread verifies the chunks.
+On the CPU a background thread runs jobs, loads before stores (requests wait for loads; the
+manager's pins keep the two from touching the same memory), each direction in submission
+order; a step's loads or stores run as one batch, copied with streaming stores
+(:mod:`block_copy`). A load is cut into pieces that copy threads, one per core, claim while the
+transfer thread verifies the chunks. A store copies on that one thread, in the gaps between
+forward passes (the engine's single-threaded scheduling and output handling, where a core is
+free): the engine says when a forward begins and ends (:meth:`forward_begins`,
+:meth:`forward_ends`), and a store waits, piece by piece, while one runs, for at most
+``store_max_lag`` forward passes after it was submitted; past that, or when the engine waits
+for it (a flush, an idle engine), it copies at once. Its CPU time is counted apart when it ran
+during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
 On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
 compute stream (the forward that wrote its blocks), and completion is polled with
 ``Event.query()``. ``poll`` never blocks; ``wait`` does (flush before a preempted request's
@@ -56,6 +61,7 @@ class TransferJob:
     job_id: int
     is_store: bool
     chunks: list[ChunkCopy]
+    submitted_forward: int = 0  # the CPU worker's forward-pass count at submission
 
     @property
     def num_blocks(self) -> int:
@@ -112,19 +118,33 @@ class TransferWorker:
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         return set()
 
+    def submit_many(self, jobs: Iterable[TransferJob]) -> None:
+        for job in jobs:
+            self.submit(job)
+
+    def forward_begins(self) -> None:  # noqa: B027
+        """The engine starts a forward pass (stores should keep off the CPU)."""
+
+    def forward_ends(self) -> None:  # noqa: B027
+        """The forward pass ended: stores may copy until the next one begins."""
+
     def shutdown(self) -> None:  # noqa: B027
         pass
 
 
 class CpuTransferWorker(TransferWorker):
-    """One background thread; jobs run in submission order. Jobs of one direction queued back
-    to back (a step's loads, a step's stores) run as one batch: one pass of Python work and
-    one set of copies for all of them, so the copies are as long as the block runs allow."""
+    """One background thread; loads before stores, each in submission order. Queued jobs of
+    one direction (a step's loads, a step's stores) run as one batch: one pass of Python work
+    and one set of copies for all of them, so the copies are as long as the block runs allow."""
 
     # Largest batch, in blocks (a batch in progress cannot be cancelled).
     max_batch_blocks = 4096
     # Most threads a load copies with (host memory bandwidth is reached well before).
     max_copy_threads = 8
+    # Forward passes a store may wait for a gap between them; then it copies regardless.
+    store_max_lag = 4
+    # A store copies in pieces of this many bytes, looking between them for a forward pass.
+    store_piece_bytes = 1 << 20
 
     def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend) -> None:
         super().__init__(kv_cache, tier)
@@ -135,16 +155,86 @@ class CpuTransferWorker(TransferWorker):
         self._inflight: set[int] = set()  # submitted, result not produced yet
         self._results: list[TransferResult] = []
         self._stop = False
+        self._in_forward = False
+        self._forwards = 0  # forward passes begun
+        self._urgent = 0  # callers waiting in wait()/wait_any(): stores copy at once
+        self._queued_loads = 0
+        # CPU seconds of this thread spent on stores, and the part of it during forward passes.
+        self.store_cpu_s = 0.0
+        self.store_cpu_in_forward_s = 0.0
         self._thread = threading.Thread(target=self._loop, name="kv-offload-worker", daemon=True)
         self._thread.start()
 
     def submit(self, job: TransferJob) -> None:
+        self.submit_many((job,))
+
+    def submit_many(self, jobs: Iterable[TransferJob]) -> None:
         with self._cond:
             if self._stop:
                 raise RuntimeError("transfer worker is shut down")
-            self._inflight.add(job.job_id)
-            self._queue.append(job)
+            for job in jobs:
+                job.submitted_forward = self._forwards
+                self._queued_loads += not job.is_store
+                self._inflight.add(job.job_id)
+                self._queue.append(job)
             self._cond.notify_all()
+
+    def forward_begins(self) -> None:
+        self._forwards += 1
+        self._in_forward = True  # read by the transfer thread between pieces (no lock)
+
+    def forward_ends(self) -> None:
+        if self._in_forward:
+            with self._cond:
+                self._in_forward = False
+                self._cond.notify_all()
+
+    def _store_may_copy(self, job: TransferJob) -> bool:
+        """A store may copy now: no forward runs, it waited long enough, or someone waits."""
+        return (
+            not self._in_forward
+            or self._urgent > 0
+            or self._stop
+            or self._forwards - job.submitted_forward > self.store_max_lag
+        )
+
+    def _hold_store(self, job: TransferJob) -> bool:
+        """Between a store's pieces: wait for the current forward pass to end, running loads
+        submitted meanwhile (they never wait behind a store). Returns whether the piece about
+        to be copied runs during a forward pass."""
+        while True:
+            if self._store_may_copy(job) and not self._queued_loads:
+                return self._in_forward
+            with self._cond:
+                # Timeout: the lag bound moves with forward_begins, which does not notify.
+                self._cond.wait_for(
+                    lambda: self._store_may_copy(job) or self._queued_loads, timeout=0.05
+                )
+                loads = self._take_batch(load=True) if self._queued_loads else []
+            if loads:
+                self._publish(self._run_safe(loads))
+
+    def _take_batch(self, load: bool) -> list[TransferJob]:
+        """Queued jobs of one direction, in submission order, up to ``max_batch_blocks``
+        (at least one). The caller holds ``_cond``."""
+        batch: list[TransferJob] = []
+        blocks = 0
+        for job in self._queue:
+            if job.is_store != load:
+                batch.append(job)
+                blocks += job.num_blocks
+                if blocks >= self.max_batch_blocks:
+                    break
+        for job in batch:
+            self._queue.remove(job)
+        if load:
+            self._queued_loads -= len(batch)
+        return batch
+
+    def _publish(self, results: list[TransferResult]) -> None:
+        with self._cond:
+            for result in results:
+                self._finish(result)
 
     def poll(self) -> list[TransferResult]:
         with self._cond:
@@ -157,11 +247,21 @@ class CpuTransferWorker(TransferWorker):
     def wait(self, job_ids: Iterable[int]) -> None:
         ids = set(job_ids)
         with self._cond:
-            self._cond.wait_for(lambda: not (ids & self._inflight))
+            self._urgent += 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: not (ids & self._inflight))
+            finally:
+                self._urgent -= 1
 
     def wait_any(self, timeout: float) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
+            self._urgent += 1
+            self._cond.notify_all()
+            try:
+                self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
+            finally:
+                self._urgent -= 1
 
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         ids = set(job_ids)
@@ -169,6 +269,7 @@ class CpuTransferWorker(TransferWorker):
             dropped = [j for j in self._queue if j.job_id in ids]
             for job in dropped:
                 self._queue.remove(job)
+                self._queued_loads -= not job.is_store
                 self._finish(TransferResult(job.job_id, ok=False, cancelled=True))
         return {j.job_id for j in dropped}
 
@@ -178,6 +279,7 @@ class CpuTransferWorker(TransferWorker):
             for job in self._queue:
                 self._finish(TransferResult(job.job_id, ok=False, cancelled=True))
             self._queue.clear()
+            self._queued_loads = 0
             self._cond.notify_all()
         self._thread.join(timeout=30)
         self._copy_threads.shutdown()
@@ -194,19 +296,9 @@ class CpuTransferWorker(TransferWorker):
                 self._cond.wait_for(lambda: self._queue or self._stop)
                 if self._stop and not self._queue:
                     return
-                batch = [self._queue.popleft()]
-                blocks = batch[0].num_blocks
-                while (
-                    self._queue
-                    and self._queue[0].is_store == batch[0].is_store
-                    and blocks < self.max_batch_blocks
-                ):
-                    batch.append(self._queue.popleft())
-                    blocks += batch[-1].num_blocks
-            results = self._run_safe(batch)
-            with self._cond:
-                for result in results:
-                    self._finish(result)
+                # Loads first (requests wait for them), then stores.
+                batch = self._take_batch(load=self._queued_loads > 0)
+            self._publish(self._run_safe(batch))
 
     def _run_safe(self, batch: list[TransferJob]) -> list[TransferResult]:
         """Run a batch; if it fails, each job alone, so that one bad job fails only itself."""
@@ -227,16 +319,35 @@ class CpuTransferWorker(TransferWorker):
         tier = self.tier
         chunks = [c for job in batch for c in job.chunks]
         if batch[0].is_store:
+            head = batch[0]
+            # CPU time at the last piece, in forward passes so far, running loads meanwhile.
+            cpu = [time.thread_time(), 0.0, 0.0]
+            in_forward = [False]
+
+            def between_pieces() -> None:
+                now = time.thread_time()
+                if in_forward[0]:
+                    cpu[1] += now - cpu[0]
+                in_forward[0] = self._hold_store(head)
+                cpu[0] = time.thread_time()
+                cpu[2] += cpu[0] - now
+
+            t_cpu = time.thread_time()
             copy_blocks(
                 self.kv_cache, tier.blocks, [b for c in chunks for b in c.block_ids],
-                _tier_ids(tier, chunks),
+                _tier_ids(tier, chunks), piece_bytes=self.store_piece_bytes,
+                between_pieces=between_pieces,
             )  # fmt: skip
+            if in_forward[0]:
+                cpu[1] += time.thread_time() - cpu[0]
             # Checksums of the source: a copy that went wrong fails the load's verification.
             sums = block_checksums(
                 self._kv_u8, [c.block_ids for c in chunks], tier.layout.blocks_per_chunk
             )
             tier.record([c.slot for c in chunks], [c.key for c in chunks], sums)
             good = [True] * len(chunks)
+            self.store_cpu_s += time.thread_time() - t_cpu - cpu[2]
+            self.store_cpu_in_forward_s += cpu[1]
         else:
             # Every chunk is copied while this thread verifies them (the copy threads do not
             # wait for it): a chunk that fails is reported bad, and the connector has its blocks
