@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +239,14 @@ def test_engine_matches_hf_on_each_backend(hf_llama, backend):
     assert outs[-1].num_cached_tokens >= 32
     for p, o in zip(prompts[:5] + [shared] + prompts[5:], outs, strict=True):
         assert o.outputs[0].token_ids == hf.greedy(p)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_kernel_shares_torchs_openmp_runtime():
+    """One libgomp in the process: the kernel's threads are torch's, so setting torch's thread
+    count sizes both and the two never oversubscribe the cores with separate pools."""
+    import kvserve.engine.attention._paged_attention  # noqa: F401
+
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) <= 1, gomp

@@ -7,13 +7,16 @@
  * seq_len, table offset) rows: a decode is a request with one query, a prefill with a cached
  * prefix one whose first query sits at position seq_len - query_len.
  *
- * Work items are (query tile, KV head): a tile is up to TILE_ROWS query rows, the grouped
- * query heads of one KV head for one or more consecutive queries, so GQA shares each K/V row
- * between the G heads of its group without repeating it. Items run on an OpenMP team sized by
- * the caller (torch.get_num_threads(): with torch imported first, this module binds to
- * torch's own libgomp, so both use one thread pool), dynamically scheduled, prefill tiles
+ * Work items are (query tile, KV heads): a prefill tile is up to TILE_ROWS query rows, the G
+ * grouped query heads of one KV head for consecutive queries, so GQA shares each K/V row
+ * between the heads of its group without repeating it; a decode item takes several KV heads
+ * of its request when there are enough decodes to keep the threads busy, so that each slot's
+ * heads are read as one run (the paged layout's contiguous unit). Items run on an OpenMP team
+ * sized by the caller (torch.get_num_threads(): with torch imported first, this module binds
+ * to torch's own libgomp, so both use one thread pool), dynamically scheduled, prefill tiles
  * (the largest) first. Each item walks its context in chunks of CHUNK tokens with an online
- * (flash-style) softmax: running max and sum per row, accumulator rescaled per chunk.
+ * (flash-style) softmax: running max and sum per row, accumulator rescaled per chunk; the
+ * next chunk's rows are prefetched (blocks are scattered, hardware prefetchers lose track).
  *
  * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
  * rounded to nearest even. The per-item function is compiled for AVX-512, AVX2+FMA and the
@@ -21,6 +24,7 @@
  * 64 and 128 get unrolled copies. The GIL is released while the kernel runs.
  */
 #define PY_SSIZE_T_CLEAN
+#pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vector helpers are always inlined */
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
@@ -559,10 +563,13 @@ static PyObject *build_info(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(arg
 #else
     const int openmp = 0;
 #endif
+    const char *isa = "baseline"; /* the clone the resolver picks on this CPU */
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(PA_NO_CLONES)
-    const char *isa = "x86-64-v4 | x86-64-v3 | baseline (target_clones)";
-#else
-    const char *isa = "baseline";
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("x86-64-v4"))
+        isa = "x86-64-v4 (AVX-512)";
+    else if (__builtin_cpu_supports("x86-64-v3"))
+        isa = "x86-64-v3 (AVX2, FMA)";
 #endif
     return Py_BuildValue("{s:O,s:s}", "openmp", openmp ? Py_True : Py_False, "isa", isa);
 }
@@ -574,7 +581,8 @@ static PyMethodDef methods[] = {
      "block_size, elem_bytes, num_threads, scale): store num_new new K/V rows at slots, then "
      "write paged attention of every request into out. Pointers are data_ptr() ints, strides "
      "in elements; see kvserve.engine.attention.native_backend."},
-    {"build_info", build_info, METH_NOARGS, "{'openmp': bool, 'isa': str} of this build."},
+    {"build_info", build_info, METH_NOARGS,
+     "{'openmp': bool, 'isa': str}: OpenMP built in, the kernel variant this CPU runs."},
     {NULL, NULL, 0, NULL},
 };
 
