@@ -84,7 +84,7 @@ def _our_logits(runner: ModelRunner, ids: list[int], prompt_len: int) -> torch.T
         so = SchedulerOutput(
             scheduled=[req], num_scheduled_tokens={"r": end - start}, block_ids={"r": table}
         )
-        out.append(runner.compute_all_logits(so)["r"])
+        out.append(runner.compute_all_logits(so)["r"].cpu())
         req.num_computed_tokens = end
     return torch.cat(out)
 
