@@ -19,7 +19,7 @@ within 5%).
    workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
    ``--reps`` runs each (medians).
 
-    .venv/bin/python benchmarks/bench_epp.py            # ~6 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_epp.py            # ~8 minutes on 2 cores
     .venv/bin/python benchmarks/bench_epp.py --quick    # smoke run
 """
 
@@ -281,6 +281,15 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"{vs99:+.2f} ms (goal <= +1 ms: {'met' if vs <= 1.0 else 'NOT met'} at p50, "
                 f"{'met' if vs99 <= 1.0 else 'NOT met'} at p99)."
             )
+            verdict.append(
+                f"- CPU per request (independent of the machine's load, {r['loadavg_1m']:.1f} "
+                f"here): the EPP {r['epp_cpu_ms_per_request']:.2f} ms, of which a do-nothing "
+                f"ext_proc service on grpcio already costs "
+                f"{r['null_processor_cpu_ms_per_request']:.2f} ms; the HTTP router's whole proxy "
+                f"path {r['router_cpu_ms_per_request']:.2f} ms; "
+                f"Envoy {r['envoy_cpu_ms_per_request']:.2f} ms. The null processor adds p50 "
+                f"{r['null_added_p50_ms']:.2f} ms, p99 {r['null_added_p99_ms']:.2f} ms by itself."
+            )
     if qual:
         h, e = qual["http_router"], qual["envoy_epp"]
         thr = e["total_tok_s"] / h["total_tok_s"]
@@ -384,7 +393,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=3, help="rounds of the four arms per rate")
     ap.add_argument("--block-s", type=float, default=4.0)
     ap.add_argument("--backends", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=2, help="routing-quality runs per front end")
+    ap.add_argument("--reps", type=int, default=3, help="routing-quality runs per front end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
