@@ -103,7 +103,7 @@ def batches(draw):
     bs = draw(st.sampled_from([1, 2, 4, 16, 32]))
     hkv = draw(st.sampled_from([1, 2, 4]))
     group = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    d = draw(st.sampled_from([16, 48, 64, 128]))
+    d = draw(st.sampled_from([16, 48, 64, 96, 128]))
     decodes = draw(st.lists(st.integers(0, 300), max_size=5))
     prefills = draw(
         st.lists(

@@ -21,7 +21,8 @@
  * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
  * rounded to nearest even. The per-item function is compiled for AVX-512, AVX2+FMA and the
  * baseline (target_clones, resolved once at load), so one build runs on any x86-64; head dims
- * 64 and 128 get unrolled copies. The GIL is released while the kernel runs.
+ * 64, 96 and 128 get unrolled vector copies, others plain loops (each copy adds seconds to the
+ * build). The GIL is released while the kernel runs.
  */
 #define PY_SSIZE_T_CLEAN
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vector helpers are always inlined */
@@ -257,14 +258,14 @@ PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *res
             vstore(acc + r * D + 16 * j, o[r][j]);
 }
 
-/* All rows of a tile over one chunk: groups of up to 4 rows (2 for D = 128, so that the
+/* All rows of a tile over one chunk: groups of up to 4 rows (2 above D = 64, so that the
  * accumulators stay in registers). */
 PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float *sum,
                           const float *const *kp, const float *const *vp, int64_t n,
                           const int64_t *nv, int64_t M, const int64_t D)
 {
-    if (D == 64 || D == 128) {
-        const int ND = (int)(D / 16), RMAX = D == 64 ? 4 : 2;
+    if (D % 16 == 0 && D <= 16 * VMAX_ND) {
+        const int ND = (int)(D / 16), RMAX = D <= 64 ? 4 : 2;
         for (int64_t m = 0; m < M; m += RMAX) {
             const int64_t R = M - m < RMAX ? M - m : RMAX;
 #define PA_ROWS(r)                                                                            \
@@ -389,13 +390,15 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
 PA_CLONES static void attend_item(const pa_args *a, const pa_item *it, float *ws)
 {
     switch (a->d) { /* constant head dims: unrolled, register-resident rows */
-    case 64:
-        attend_d(a, it, ws, 64);
+#define PA_HEAD_DIM(d)                                                                        \
+    case d:                                                                                   \
+        attend_d(a, it, ws, d);                                                               \
         break;
-    case 128:
-        attend_d(a, it, ws, 128);
-        break;
-    default:
+        PA_HEAD_DIM(64)
+        PA_HEAD_DIM(96)
+        PA_HEAD_DIM(128)
+#undef PA_HEAD_DIM
+    default: /* any other head dim: plain loops */
         attend_d(a, it, ws, a->d);
     }
 }
