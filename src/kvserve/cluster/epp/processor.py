@@ -129,6 +129,7 @@ class ExtProcStream:
         self.counted: Endpoint | None = None  # holds one in-flight count of it
         self.t_pick = 0.0
         self.partial = False  # the body the pick sees is cut short (BUFFERED_PARTIAL)
+        self.subset: set[str] | None = None  # the gateway's subset hint, when it gave one
 
     # ------------------------------------------------------------------ request path
 
@@ -139,6 +140,9 @@ class ExtProcStream:
             self.request_mode = cfg.request_body_mode
             self.response_mode = cfg.response_body_mode
             self.body_early = cfg.send_body_without_waiting_for_header_response
+        hint = _subset_hint(msg)
+        if hint is not None:  # (Envoy may send the metadata with the headers only)
+            self.subset = hint
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             return await self._request_headers(msg)
@@ -147,7 +151,7 @@ class ExtProcStream:
         if kind == "request_trailers":
             out = []
             if not self.picked:
-                out = await self._finish_request(msg, end_of_stream=False)
+                out = await self._finish_request(end_of_stream=False)
             return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if kind == "response_headers":
             return self._response_headers(msg)
@@ -165,7 +169,7 @@ class ExtProcStream:
         deferred = mode == FULL_DUPLEX or (mode == STREAMED and self.body_early)
         if msg.request_headers.end_of_stream or (mode in (NONE, STREAMED) and not deferred):
             # No body, or none the EPP will see before the headers must go: pick on headers.
-            result = await self._pick(msg, b"")
+            result = await self._pick(b"")
             if isinstance(result, pb.ProcessingResponse):
                 return [result]
             self.headers_answered = True
@@ -193,15 +197,13 @@ class ExtProcStream:
         self.chunks += 1
         if b.end_of_stream or self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
             self.partial = not b.end_of_stream  # BUFFERED_PARTIAL: over Envoy's buffer
-            return await self._finish_request(msg, end_of_stream=True)
+            return await self._finish_request(end_of_stream=True)
         return []
 
-    async def _finish_request(
-        self, msg: pb.ProcessingRequest, end_of_stream: bool
-    ) -> list[pb.ProcessingResponse]:
+    async def _finish_request(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         """The whole body is here: pick, then answer what Envoy waits for."""
         data = b"".join(self.body)
-        result = await self._pick(msg, data)
+        result = await self._pick(data)
         if isinstance(result, pb.ProcessingResponse):
             return [result]
         if self.headers_answered:  # BUFFERED: the headers are still held; mutate them now
@@ -234,7 +236,7 @@ class ExtProcStream:
             dynamic_metadata=pick.metadata,
         )
 
-    async def _pick(self, msg: pb.ProcessingRequest, data: bytes) -> Pick | pb.ProcessingResponse:
+    async def _pick(self, data: bytes) -> Pick | pb.ProcessingResponse:
         """Ask the scheduling core; a :class:`Pick`, or an immediate error response."""
         epp = self.epp
         core = epp.core
@@ -244,7 +246,7 @@ class ExtProcStream:
         path = self.headers.get(":path", "/").partition("?")[0]
         chat = _COMPLETION_PATHS.get(path)
         endpoints = list(core.pool.endpoints.values())
-        subset = _subset_hint(msg)
+        subset = self.subset
         if subset is not None:
             endpoints = [e for e in endpoints if epp.address_of(e) in subset]
             if not endpoints:

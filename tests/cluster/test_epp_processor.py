@@ -1,0 +1,183 @@
+"""The ext_proc message sequence, message by message, on a real scheduling core (a Router whose
+endpoints are loaded and marked healthy; nothing listens: no request leaves the process).
+
+What Envoy does end to end is in test_epp.py; here are the cases a plain Envoy does not
+produce: a gateway reporting that another endpoint of the fallback list served, the
+subset hint as a list, a body over the limit, and the order of answers in each body mode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+
+from kvserve.cluster.config import EndpointSpec, RouterConfig
+from kvserve.cluster.epp.processor import (
+    BUFFERED,
+    DESTINATION_HEADER,
+    FULL_DUPLEX,
+    LB_NAMESPACE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+    ExtProcStream,
+)
+from kvserve.cluster.epp.server import EndpointPicker
+from kvserve.cluster.gateway import Router
+
+A, B = "127.0.0.1:18001", "127.0.0.1:18002"
+
+
+def _picker(**config) -> EndpointPicker:
+    cfg = RouterConfig(
+        endpoints=[
+            EndpointSpec(url=f"http://{a}", model="m", name=n) for a, n in ((A, "a"), (B, "b"))
+        ],
+        **config,
+    )
+    epp = EndpointPicker(Router(cfg), port=0)
+    epp.core.pool.load()
+    for ep in epp.core.pool.endpoints.values():
+        ep.healthy = True
+    return epp
+
+
+def _headers(
+    path: str = "/v1/completions", eos: bool = False, mode=FULL_DUPLEX, md: dict | None = None
+):
+    hs = [(":path", path), (":method", "POST"), ("content-type", "application/json")]
+    msg = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]
+            ),
+            end_of_stream=eos,
+        ),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=1),
+    )
+    for ns, fields in (md or {}).items():
+        s = struct_pb2.Struct()
+        s.update(fields)
+        msg.metadata_context.filter_metadata[ns].CopyFrom(s)
+    return msg
+
+
+def _body(data: bytes, eos: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+def _destination(out: list[pb.ProcessingResponse]) -> str:
+    common = (
+        out[0].request_headers.response
+        if out[0].HasField("request_headers")
+        else out[0].request_body.response
+    )
+    (h,) = common.header_mutation.set_headers
+    assert h.header.key == DESTINATION_HEADER
+    value = h.header.raw_value.decode()
+    meta = out[0].dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    assert meta[DESTINATION_HEADER].string_value == value  # header and metadata agree
+    return value
+
+
+def _served(address: str, end: bool = False) -> pb.ProcessingRequest:
+    msg = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]
+            ),
+            end_of_stream=end,
+        )
+    )
+    s = struct_pb2.Struct()
+    s.update({SERVED_KEY: address})
+    msg.metadata_context.filter_metadata[LB_NAMESPACE].CopyFrom(s)
+    return msg
+
+
+BODY = msgspec.json.encode({"model": "m", "prompt": list(range(40)), "max_tokens": 1})
+
+
+def test_full_duplex_pick_echo_and_served_elsewhere_moves_the_count():
+    async def run() -> None:
+        epp = _picker()
+        eps = {e.name: e for e in epp.core.pool.endpoints.values()}
+        s = ExtProcStream(epp)
+        assert await s.handle(_headers()) == []  # full duplex: wait for the body
+        assert await s.handle(_body(BODY[:10], False)) == []
+        out = await s.handle(_body(BODY[10:], True))
+        first, second = _destination(out).split(",")
+        assert {first, second} == {A, B}
+        echoed = b"".join(
+            o.request_body.response.body_mutation.streamed_response.body for o in out[1:]
+        )
+        assert echoed == BODY
+        assert out[-1].request_body.response.body_mutation.streamed_response.end_of_stream
+        picked = epp.endpoint_at(first)
+        other = epp.endpoint_at(second)
+        assert (picked.in_flight, other.in_flight) == (1, 0)
+        # The gateway fell back to the second address: the count follows it.
+        (resp,) = await s.handle(_served(second))
+        (h,) = resp.response_headers.response.header_mutation.set_headers
+        assert h.header.raw_value.decode() == other.name
+        assert (picked.in_flight, other.in_flight) == (0, 1)
+        await s.handle(
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))
+        )
+        assert all(e.in_flight == 0 for e in eps.values())
+        s.release()  # the stream's end after the response's: nothing more to give back
+        assert all(e.in_flight == 0 for e in eps.values())
+
+    asyncio.run(run())
+
+
+def test_buffered_answers_headers_then_picks_on_the_body():
+    async def run() -> None:
+        epp = _picker()
+        s = ExtProcStream(epp)
+        (h,) = await s.handle(_headers(mode=BUFFERED))
+        assert not h.request_headers.response.HasField("header_mutation")  # held, continued
+        out = await s.handle(_body(BODY, True))
+        assert len(out) == 1 and len(_destination(out).split(",")) == 2
+        s.release()  # the stream broke before any response: the count comes back
+        assert all(e.in_flight == 0 for e in epp.core.pool.endpoints.values())
+
+    asyncio.run(run())
+
+
+def test_subset_hint_as_a_list_and_a_body_over_the_limit():
+    async def run() -> None:
+        epp = _picker(max_body_bytes=64)
+        s = ExtProcStream(epp)
+        hint = {SUBSET_KEY: [B]}
+        assert await s.handle(_headers(md={SUBSET_NAMESPACE: hint})) == []
+        # over the limit of 64 bytes: 413 before any pick
+        (r,) = await s.handle(_body(BODY, False))
+        assert r.immediate_response.status.code == 413
+        assert b"limit" in r.immediate_response.body
+        s = ExtProcStream(_picker())
+        await s.handle(_headers(md={SUBSET_NAMESPACE: hint}))
+        out = await s.handle(_body(BODY, True))
+        assert _destination(out) == B  # only the hinted endpoint
+        s = ExtProcStream(_picker())
+        await s.handle(_headers(md={SUBSET_NAMESPACE: {SUBSET_KEY: []}}))
+        (r,) = await s.handle(_body(BODY, True))
+        assert r.immediate_response.status.code == 503
+
+    asyncio.run(run())
+
+
+def test_a_request_without_body_is_picked_on_its_headers():
+    async def run() -> None:
+        epp = _picker()
+        s = ExtProcStream(epp)
+        out = await s.handle(_headers(path="/v1/models", eos=True))
+        assert len(_destination(out).split(",")) == 2
+        (resp,) = await s.handle(_served(_destination(out).split(",")[0], end=True))
+        assert resp.HasField("response_headers")
+        assert all(e.in_flight == 0 for e in epp.core.pool.endpoints.values())
+
+    asyncio.run(run())
