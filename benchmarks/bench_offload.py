@@ -8,6 +8,8 @@ Four measurements, each a ratio against a baseline measured in the same run:
    at different addresses), more than the effect measured.
    1b: the same overhead by accounting: the connector's time on the engine thread plus the
    transfer thread's CPU time, per run (timing whole runs cannot resolve 1% on a noisy box).
+   1s: the same per engine step, beside the step time. 1c: the same three for decode with 64
+   concurrent requests (short prompts, chunks filled by generated tokens).
 2. throughput vs offload hit rate 0..100% on unique prefill-only requests: a fraction of each
    prompt was stored in the tier beforehand and the primary prefix cache is reset, so hits
    come only from the tier (vLLM's published experiment). Plotted to PNG. Goal: >= 5x at 100%.
@@ -41,6 +43,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.machine import describe_machine
 from kvserve.model.presets import make_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -171,17 +174,35 @@ class SameBytesCopy:
 class ConnectorAccounting:
     """What offloading costs the engine, by accounting rather than by timing whole runs: time
     in the connector's calls on the engine thread (outermost calls only; includes sleeping on
-    transfers when idle) and CPU time of the transfer thread (``schedstat``, ns)."""
+    transfers when idle), per engine step too, and CPU time of the transfer thread
+    (``schedstat``, ns), with the part of its store copies that ran during forward passes (the
+    worker's own count)."""
 
-    def __init__(self, connector) -> None:
+    def __init__(self, connector, engine) -> None:
         self.engine_thread_s = 0.0
+        self.steps = 0
+        self.step_connector_s: list[float] = []  # per engine step, while counting
         self._depth = 0
+        self._step_start = 0.0
         for name in dir(type(connector)):
             fn = getattr(connector, name)
             if name.startswith("_") or not callable(fn):
                 continue
             setattr(connector, name, self._timed(fn))
+        self._worker = connector.worker
         self._worker_thread = connector.worker._thread
+        step = engine.step
+
+        def counted_step():
+            before = self.engine_thread_s
+            try:
+                return step()
+            finally:
+                if engine.connector is not None:
+                    self.steps += 1
+                    self.step_connector_s.append(self.engine_thread_s - before)
+
+        engine.step = counted_step
 
     def _timed(self, fn):
         def wrapper(*a, **kw):
@@ -209,8 +230,15 @@ class ConnectorAccounting:
                     pass
         return ns / 1e9
 
-    def snapshot(self) -> tuple[float, float]:
-        return self.engine_thread_s, self.transfer_thread_cpu_s()
+    def snapshot(self) -> tuple[float, float, float, int]:
+        """(engine-thread connector s, transfer-thread CPU s, store CPU s during forward
+        passes, engine steps)."""
+        return (
+            self.engine_thread_s,
+            self.transfer_thread_cpu_s(),
+            self._worker.store_cpu_in_forward_s,
+            self.steps,
+        )
 
 
 def bootstrap_median_ci(xs: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float]:
@@ -231,10 +259,10 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 1) -> f
 
 
 def make_llm(model: str, offload_gib: float, args, **kw) -> LLM:
+    kw.setdefault("num_kv_blocks", args.num_kv_blocks)
+    kw.setdefault("max_num_seqs", args.max_num_seqs)
     return LLM(
         model=model,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_offload_size=offload_gib,
         kv_offload_block_size=args.chunk_tokens,
@@ -242,8 +270,24 @@ def make_llm(model: str, offload_gib: float, args, **kw) -> LLM:
     )
 
 
-def bench_overhead(model: str, args, vocab: int) -> dict:
-    llm = make_llm(model, args.offload_gib, args)
+def bench_overhead(
+    model: str,
+    args,
+    vocab: int,
+    *,
+    requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    max_num_seqs: int,
+    reps: int,
+    num_kv_blocks: int | None = None,
+) -> dict:
+    """Throughput with offloading on / off (0% hits: unique prompts), interleaved runs on one
+    engine, and offloading's cost per engine step by accounting."""
+    llm = make_llm(
+        model, args.offload_gib, args, max_num_seqs=max_num_seqs,
+        num_kv_blocks=num_kv_blocks or args.num_kv_blocks,
+    )  # fmt: skip
     engine = llm.engine
     connector = engine.connector
 
@@ -253,38 +297,73 @@ def bench_overhead(model: str, args, vocab: int) -> dict:
         engine.connector = engine.scheduler.connector = connector if on else None
 
     rng = random.Random(1)
-    n, length = args.overhead_requests, args.prompt_len
+    n, length = requests, prompt_len
+
+    def run() -> float:
+        return timed_generate(llm, prompts_of(rng, n, length, vocab), max_tokens)
+
     for on in (True, False):  # warm up both
         offload(on)
-        timed_generate(llm, prompts_of(rng, 4, length, vocab))
-    acct = ConnectorAccounting(connector)
-    t_on, t_off, engine_s, transfer_s = [], [], [], []
-    for i in range(args.overhead_reps):
+        timed_generate(llm, prompts_of(rng, min(n, 8), length, vocab), max_tokens)
+    acct = ConnectorAccounting(connector, engine)
+    t_on, t_off, engine_s, transfer_s, in_fwd_s, steps = [], [], [], [], [], []
+    per_step: list[float] = []
+    for i in range(reps):
         # Interleaved, order alternating: both sides see the same machine noise.
         for on in (False, True) if i % 2 == 0 else (True, False):
             offload(on)
-            e0, x0 = acct.snapshot()
-            (t_on if on else t_off).append(timed_generate(llm, prompts_of(rng, n, length, vocab)))
+            e0, x0, f0, s0 = acct.snapshot()
+            k0 = len(acct.step_connector_s)
+            (t_on if on else t_off).append(run())
             if on:
-                e1, x1 = acct.snapshot()
+                e1, x1, f1, s1 = acct.snapshot()
                 engine_s.append(e1 - e0)
                 transfer_s.append(x1 - x0)
+                in_fwd_s.append(f1 - f0)
+                steps.append(s1 - s0)
+                per_step += acct.step_connector_s[k0:]
     offload(True)
     st = llm.get_stats().connector
     assert st.lookup_hit_tokens == 0 and st.store_bytes > 0
+    dropped = st.extra.get("dropped_store_chunks", 0.0)
+    stored = st.extra.get("stored_chunks", 0.0)
     llm.shutdown()
-    tokens = n * length
+    tokens = n * (length + max_tokens)
     thr_on = tokens / statistics.median(t_on)
     thr_off = tokens / statistics.median(t_off)
     pairs = sorted(f / o for f, o in zip(t_off, t_on, strict=True))
-    # Offloading's own work per run, taken from the forward one for one: a bound on its cost.
+    med = statistics.median
+    n_steps = med(steps)
+    step_s = med(t_on) / n_steps
+    # Offloading's own work per run, taken from the forward one for one: a bound on its cost;
+    # the second bound counts of the transfer thread only its store copies that ran during
+    # forward passes (the rest ran in the gaps between them, on an otherwise idle core).
     added = [e + x for e, x in zip(engine_s, transfer_s, strict=True)]
+    added_fwd = [e + f for e, f in zip(engine_s, in_fwd_s, strict=True)]
+    per_step.sort()
     return {
+        "requests": n,
+        "prompt_len": length,
+        "max_tokens": max_tokens,
+        "max_num_seqs": max_num_seqs,
         "paired_ratio_ci95": bootstrap_median_ci(pairs),
-        "engine_thread_connector_ms": statistics.median(engine_s) * 1e3,
-        "transfer_thread_cpu_ms": statistics.median(transfer_s) * 1e3,
-        "run_off_ms": statistics.median(t_off) * 1e3,
-        "accounted_ratio_bound": 1 - statistics.median(added) / statistics.median(t_off),
+        "engine_thread_connector_ms": med(engine_s) * 1e3,
+        "transfer_thread_cpu_ms": med(transfer_s) * 1e3,
+        "store_cpu_in_forward_ms": med(in_fwd_s) * 1e3,
+        "run_off_ms": med(t_off) * 1e3,
+        "accounted_ratio_bound": 1 - med(added) / med(t_off),
+        "accounted_ratio_in_forward": 1 - med(added_fwd) / med(t_off),
+        "steps_per_run": n_steps,
+        "step_ms": step_s * 1e3,
+        "connector_us_per_step": med(engine_s) / n_steps * 1e6,
+        "connector_us_per_step_median": per_step[len(per_step) // 2] * 1e6,
+        "connector_us_per_step_p90": per_step[(9 * len(per_step)) // 10] * 1e6,
+        "transfer_cpu_us_per_step": med(transfer_s) / n_steps * 1e6,
+        "store_cpu_in_forward_us_per_step": med(in_fwd_s) / n_steps * 1e6,
+        "connector_over_step": med(engine_s) / n_steps / step_s,
+        "transfer_cpu_over_step": med(transfer_s) / n_steps / step_s,
+        "stored_chunks": stored,
+        "dropped_store_chunks": dropped,
         "tokens_per_run": tokens,
         "throughput_on_tok_s": thr_on,
         "throughput_off_tok_s": thr_off,
@@ -452,9 +531,18 @@ def main() -> None:
         "--overhead-requests", type=int, default=64, help="prompts per run of measurement 1 "
         "(a run ends waiting for its last step's stores: long runs measure the steady state)",
     )  # fmt: skip
+    ap.add_argument(
+        "--decode-requests", type=int, default=64,
+        help="concurrent requests of measurement 1c (decode), all running at once",
+    )  # fmt: skip
+    ap.add_argument("--decode-prompt-len", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-reps", type=int, default=5, help="runs per side of 1c")
     ap.add_argument("--hit-rates", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 2000])
-    ap.add_argument("--skip", nargs="*", default=[], help="overhead hit evicted ttft path")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], help="overhead decode hit evicted ttft path"
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="results basename (default offload_<preset>)")
     args = ap.parse_args()
 
@@ -466,6 +554,7 @@ def main() -> None:
 
         args.chunk_tokens = EngineConfig(kv_offload_size=1.0).kv_offload_block_size
     res: dict = {"preset": args.preset, "machine": machine(), "args": vars(args)}
+    res["machine_info"] = describe_machine()  # with the load average at the start
     res["chunk_tokens"] = args.chunk_tokens
     res["memcpy_GB_s"] = memcpy_bandwidth() / 1e9
     res["memcpy_one_thread_GB_s"] = memcpy_bandwidth(one_thread=True) / 1e9
@@ -474,11 +563,20 @@ def main() -> None:
         f"(one thread {res['memcpy_one_thread_GB_s']:.2f})"
     )
     if "overhead" not in args.skip:
-        res["overhead"] = o = bench_overhead(model, args, vocab)
-        print(
-            f"overhead: on/off = {o['ratio_on_off']:.3f}; by accounting >= "
-            f"{o['accounted_ratio_bound']:.3f}"
-        )
+        res["overhead"] = o = bench_overhead(
+            model, args, vocab, requests=args.overhead_requests, prompt_len=args.prompt_len,
+            max_tokens=1, max_num_seqs=args.max_num_seqs, reps=args.overhead_reps,
+        )  # fmt: skip
+        print_overhead("overhead (prefill)", o)
+    if "decode" not in args.skip:
+        n = args.decode_requests
+        blocks = n * -(-(args.decode_prompt_len + args.decode_tokens) // 16) + 64
+        res["overhead_decode"] = o = bench_overhead(
+            model, args, vocab, requests=n, prompt_len=args.decode_prompt_len,
+            max_tokens=args.decode_tokens, max_num_seqs=n, reps=args.decode_reps,
+            num_kv_blocks=max(args.num_kv_blocks, blocks),
+        )  # fmt: skip
+        print_overhead(f"overhead (decode, {n} concurrent)", o)
     if "hit" not in args.skip:
         res["hit_rate"] = h = bench_hit_rate(model, args, vocab)
         res["load_bw_over_memcpy"] = h["load_bandwidth_at_100_GB_s"] / res["memcpy_GB_s"]
@@ -498,6 +596,7 @@ def main() -> None:
             f"(scattered blocks: {lps['ratio']:.2f})"
         )
 
+    res["loadavg_end"] = os.getloadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)
     base = RESULTS / (args.out or f"offload_{args.preset}")
     base.with_suffix(".json").write_text(json.dumps(res, indent=2))
@@ -507,13 +606,59 @@ def main() -> None:
     print(f"wrote {base}.{{json,md{',png' if 'hit_rate' in res else ''}}}")
 
 
+def print_overhead(what: str, o: dict) -> None:
+    print(
+        f"{what}: on/off = {o['ratio_on_off']:.3f} (paired {o['paired_ratio_median']:.3f}, "
+        f"95% {o['paired_ratio_ci95'][0]:.3f}-{o['paired_ratio_ci95'][1]:.3f}); by accounting "
+        f">= {o['accounted_ratio_bound']:.3f} ({o['accounted_ratio_in_forward']:.3f} counting "
+        f"store copies during forwards only); step {o['step_ms']:.2f} ms, connector "
+        f"{o['connector_us_per_step']:.1f} us/step (median {o['connector_us_per_step_median']:.1f})"
+        f", transfer CPU {o['transfer_cpu_us_per_step']:.0f} us/step"
+    )
+
+
+def overhead_rows(o: dict, label: str, what: str) -> list[str]:
+    q1, q3 = o["paired_ratio_quartiles"]
+    lo, hi = o["paired_ratio_ci95"]
+    return [
+        f"| {label}. throughput offload on (0% hits) / off, {what}; medians of "
+        f"{len(o['runs_on_s'])} interleaved runs each | {o['ratio_on_off']:.3f} "
+        f"({o['throughput_on_tok_s']:.0f} / {o['throughput_off_tok_s']:.0f} tok/s; "
+        f"median of paired ratios {o['paired_ratio_median']:.3f}, quartiles "
+        f"{q1:.3f}-{q3:.3f}, its 95% bootstrap interval {lo:.3f}-{hi:.3f}) "
+        "| >= 0.99, interval above 0.98 |",
+        f"| {label}b. the same, by accounting: 1 - offloading's own work / run time (connector "
+        f"calls on the engine thread {o['engine_thread_connector_ms']:.1f} ms + transfer "
+        f"thread CPU {o['transfer_thread_cpu_ms']:.1f} ms, per {o['run_off_ms']:.0f} ms run); "
+        f"counting of the transfer thread only store copies during forward passes "
+        f"({o['store_cpu_in_forward_ms']:.1f} ms) | {o['accounted_ratio_bound']:.3f}; "
+        f"{o['accounted_ratio_in_forward']:.3f} | >= 0.99 |",
+        f"| {label}s. per engine step ({o['steps_per_run']:.0f} steps per run, "
+        f"{o['step_ms']:.2f} ms each): connector time on the engine thread (mean; median, p90 "
+        f"of steps) and transfer-thread CPU, and their ratio to the step time | "
+        f"{o['connector_us_per_step']:.1f} us ({o['connector_us_per_step_median']:.1f}, "
+        f"{o['connector_us_per_step_p90']:.1f}) = {o['connector_over_step']:.2%}; "
+        f"{o['transfer_cpu_us_per_step']:.0f} us = {o['transfer_cpu_over_step']:.2%} "
+        f"(during forwards {o['store_cpu_in_forward_us_per_step']:.0f} us); "
+        f"{o['dropped_store_chunks']:.0f} of {o['stored_chunks'] + o['dropped_store_chunks']:.0f}"
+        " chunks dropped | <= 50 us at 64 requests |",
+    ]
+
+
 def report(res: dict) -> str:
     m = res["machine"]
+    load = ""
+    if "machine_info" in res:
+        load = (
+            f"; load average (1 min) {res['machine_info'].get('loadavg_1m')} at the start, "
+            f"{res['loadavg_end'][0]:.2f} at the end"
+        )
     lines = [
         f"# KV offloading to host memory — `{res['preset']}` preset",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, torch {m['torch']}"
-        + (f", {m['cuda']}" if m["cuda"] else ", CPU only (primary pool in RAM too)"),
+        + (f", {m['cuda']}" if m["cuda"] else ", CPU only (primary pool in RAM too)")
+        + load,
         f"Command: `python benchmarks/bench_offload.py --preset {res['preset']}`; "
         f"args: `{json.dumps(res['args'])}`",
         "",
@@ -526,21 +671,16 @@ def report(res: dict) -> str:
     ]
     if "overhead" in res:
         o = res["overhead"]
-        q1, q3 = o["paired_ratio_quartiles"]
-        lines.append(
-            f"| 1. throughput offload on (0% hits) / off, medians of {len(o['runs_on_s'])} "
-            f"interleaved runs each | {o['ratio_on_off']:.3f} "
-            f"({o['throughput_on_tok_s']:.0f} / {o['throughput_off_tok_s']:.0f} tok/s; "
-            f"median of paired ratios {o['paired_ratio_median']:.3f}, quartiles "
-            f"{q1:.3f}-{q3:.3f}, its 95% bootstrap interval {o['paired_ratio_ci95'][0]:.3f}-"
-            f"{o['paired_ratio_ci95'][1]:.3f}) | >= 0.99 |"
-        )
-        lines.append(
-            f"| 1b. the same, by accounting: 1 - offloading's own work / run time (connector calls "
-            f"on the engine thread {o['engine_thread_connector_ms']:.1f} ms + transfer thread CPU "
-            f"{o['transfer_thread_cpu_ms']:.1f} ms, per {o['run_off_ms']:.0f} ms run) | "
-            f"{o['accounted_ratio_bound']:.3f} | >= 0.99 |"
-        )
+        lines += overhead_rows(
+            o, "1", f"prefill only, {o['requests']} prompts of {o['prompt_len']} tokens, "
+            f"max_num_seqs {o['max_num_seqs']}",
+        )  # fmt: skip
+    if "overhead_decode" in res:
+        o = res["overhead_decode"]
+        lines += overhead_rows(
+            o, "1c", f"decode, {o['requests']} concurrent requests ({o['prompt_len']}-token "
+            f"prompts, {o['max_tokens']} tokens out)",
+        )  # fmt: skip
     if "hit_rate" in res:
         pts = res["hit_rate"]["points"]
         last = pts[-1]
@@ -625,7 +765,10 @@ def report(res: dict) -> str:
             "- 1b: counts the connector's calls on the engine thread (scheduling, submitting "
             "jobs, sleeping on transfers when idle) and the transfer thread's CPU time (its "
             "copies overlap the forward), as if every such ms were taken from the forward; "
-            "memory-bandwidth contention is not counted."
+            "memory-bandwidth contention is not counted. Its second figure counts of the "
+            "transfer thread only the store copies that ran during a forward pass (the worker "
+            "copies stores in the gaps between forward passes while they lag at most a few "
+            "passes; the loads of 1b's workload are none)."
         )
     if "load_path" in res:
         notes.append(

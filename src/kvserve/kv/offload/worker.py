@@ -159,6 +159,7 @@ class CpuTransferWorker(TransferWorker):
         self._forwards = 0  # forward passes begun
         self._urgent = 0  # callers waiting in wait()/wait_any(): stores copy at once
         self._queued_loads = 0
+        self._gap_waiters = 0  # stores waiting in _hold_store for a forward pass to end
         # CPU seconds of this thread spent on stores, and the part of it during forward passes.
         self.store_cpu_s = 0.0
         self.store_cpu_in_forward_s = 0.0
@@ -184,9 +185,11 @@ class CpuTransferWorker(TransferWorker):
         self._in_forward = True  # read by the transfer thread between pieces (no lock)
 
     def forward_ends(self) -> None:
-        if self._in_forward:
+        self._in_forward = False
+        # Wake the transfer thread only when a store waits for this: a needless wake-up makes
+        # it take the GIL from the engine thread (milliseconds on a loaded machine).
+        if self._gap_waiters:
             with self._cond:
-                self._in_forward = False
                 self._cond.notify_all()
 
     def _store_may_copy(self, job: TransferJob) -> bool:
@@ -207,9 +210,11 @@ class CpuTransferWorker(TransferWorker):
                 return self._in_forward
             with self._cond:
                 # Timeout: the lag bound moves with forward_begins, which does not notify.
+                self._gap_waiters += 1
                 self._cond.wait_for(
                     lambda: self._store_may_copy(job) or self._queued_loads, timeout=0.05
                 )
+                self._gap_waiters -= 1
                 loads = self._take_batch(load=True) if self._queued_loads else []
             if loads:
                 self._publish(self._run_safe(loads))
