@@ -376,3 +376,33 @@ def test_randomized_multi_turn_small_pool(seed: int, policy: str, k: int) -> Non
     ok = [(rid, p, m) for rid, p, m in all_prompts if rid not in aborted]
     ref = reference_outputs([p for _, p, _ in ok], MAX_TOKENS)
     assert [h.done[rid].output_token_ids for rid, _, _ in ok] == ref
+
+
+def test_requests_loading_kv_count_against_max_num_seqs() -> None:
+    """Requests waiting for an asynchronous load hold blocks and staging room: the scheduler
+    admits no more of them than max_num_seqs allows with the running ones."""
+    rng = random.Random(11)
+    h = Harness(num_blocks=64, offload_chunks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    prompts = [prompt(rng, 20) for _ in range(6)]
+    for i, p in enumerate(prompts):
+        h.add(f"a{i}", p, 1)
+    h.run()
+    h.settle()
+    assert h.sched.reset_prefix_cache()  # the second requests hit only in the tier
+    peak = [0]
+    schedule = h.sched.schedule
+
+    def counted():
+        out = schedule()
+        loading = sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in h.sched.waiting)
+        peak[0] = max(peak[0], len(h.sched.running) + loading)
+        return out
+
+    h.sched.schedule = counted
+    for i, p in enumerate(prompts):
+        h.add(f"b{i}", p + [1, 2], 2)
+    h.run()
+    assert len(h.load_jobs) >= 6 and all(
+        h.done[f"b{i}"].num_external_computed_tokens > 0 for i in range(6)
+    )
+    assert peak[0] <= 2

@@ -71,6 +71,9 @@ class Scheduler:
         self._ignored: list[Request] = []
         # Admitted with a synchronous external load this step: cache their blocks after it.
         self._cache_after_step: set[str] = set()
+        # Waiting for an asynchronous KV load (WAITING_FOR_REMOTE_KVS): they hold blocks and
+        # the connector's staging room, so they count against max_num_seqs with the running.
+        self._loading: set[str] = set()
         self.num_preemptions = 0
 
     # -- requests in and out --------------------------------------------------------------
@@ -120,6 +123,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
+            self._loading.discard(rid)
             request.status = finished_status
             self._finish(request)
 
@@ -223,6 +227,7 @@ class Scheduler:
             ids = {id(r) for r in ready}
             self.waiting = deque(ready + [r for r in self.waiting if id(r) not in ids])
         connector = self.connector
+        loading = self._loading
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             rid = request.request_id
@@ -240,6 +245,9 @@ class Scheduler:
                 if self.kv.allocate_slots(request, num_new) is None:
                     break
             else:
+                if len(self.running) + len(loading) >= self.max_num_seqs:
+                    # Requests loading KV count as running: no more admissions this step.
+                    break
                 hit_blocks, num_hit = self.kv.get_computed_blocks(request)
                 num_external, load_async = 0, False
                 if connector is not None:
@@ -292,6 +300,7 @@ class Scheduler:
             self.waiting.popleft()
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                loading.add(rid)
                 skipped.append(request)
                 continue
             if num_external > 0:
@@ -376,6 +385,7 @@ class Scheduler:
             if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
                 request.status = RequestStatus.WAITING
+                self._loading.discard(rid)
         self._release_held(mro.finished_recving)
         self._release_held(mro.finished_sending)
 
