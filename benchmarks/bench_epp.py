@@ -187,13 +187,26 @@ def run_overhead(args, workdir: Path) -> list[dict]:
             "envoy_epp": [envoy.url + "/v1/completions"],
             "router": [router + "/v1/completions"],
         }
-        assert envoy.popen is not None
+        assert envoy.popen is not None and envoy_null.popen is not None
+        if args.pin:  # the proxies on a core of their own, as bench_router_overhead --pin
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs 2 CPUs")
+            for p in (0, backend_proc.pid):
+                os.sched_setaffinity(p, {cpus[0]})
+            for p in (router_proc.pid, null_proc.pid, envoy.popen.pid, envoy_null.popen.pid):
+                for tid in os.listdir(f"/proc/{p}/task"):  # every thread
+                    os.sched_setaffinity(int(tid), {cpus[1]})
         pids = {
             "envoy_epp": {"epp": router_proc.pid, "envoy": envoy.popen.pid},
             "envoy_null": {"null_processor": null_proc.pid},
             "router": {"router": router_proc.pid},
         }
-        return asyncio.run(_measure(args, urls_of, pids))
+        all_cpus = os.sched_getaffinity(0)
+        try:
+            return asyncio.run(_measure(args, urls_of, pids))
+        finally:
+            os.sched_setaffinity(0, all_cpus)
     finally:
         for e in (envoy, envoy_null):
             if e is not None:
@@ -307,6 +320,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "elapsed_s": elapsed,
         "config": {
             "rates": args.rates,
+            "pinned": args.pin,
             "blocks": args.blocks,
             "block_s": args.block_s,
             "backends": args.backends,
@@ -339,8 +353,15 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         f"{args.block_s:g} s ({args.blocks} per arm and rate). EPP added = Envoy+EPP - Envoy "
         "fixed upstream; router added = HTTP router - direct; null processor added = Envoy with",
         "a do-nothing ext_proc service on grpcio (same messages, fixed pick) - Envoy fixed: the",
-        "floor of any Python ext_proc service. No CPU pinning: load generator, backends, Envoy",
-        "and the router/EPP process share the 2 cores (and the machine with other work: see load).",
+        "floor of any Python ext_proc service. "
+        + (
+            "CPU pinning: load generator and backends on CPU 0; Envoy, the EPP/router process "
+            "and the null processor on CPU 1"
+            if args.pin
+            else "No CPU pinning: load generator, backends, Envoy and the router/EPP process "
+            "share the 2 cores"
+        )
+        + " (and the machine with other work: see load).",
         "",
         "| req/s | n per arm | direct p50/p99 | Envoy fixed p50/p99 | Envoy+EPP p50/p99 | "
         "router p50/p99 | **EPP added p50/p99** | router added p50/p99 | null processor "
@@ -396,6 +417,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="routing-quality runs per front end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="overhead part: load generator and backends on CPU 0; Envoy, the EPP/router and "
+        "the null processor on CPU 1",
+    )
     ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
     ap.add_argument("--out", default=str(RESULTS / "epp"))
     ap.add_argument("--serve-null-processor", nargs=2, help=argparse.SUPPRESS)
