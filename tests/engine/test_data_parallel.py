@@ -215,6 +215,33 @@ def test_killed_rank_takes_the_group_down(dp_server):
                 time.sleep(0.1)
 
 
+def test_independent_replicas_serve_and_stop_cleanly(tiny_model_dir):
+    """Without expert parallelism: N independent engines (here a dense model), one port
+    each; SIGTERM to the supervisor stops every rank and exits 0."""
+    base = _free_port_block("127.0.0.1", 2)
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir)]
+    cmd += ["--served-model-name", "tiny-moe", "--num-kv-blocks", "64", "--max-model-len", "256"]
+    cmd += ["--port", str(base), "--data-parallel-size", "2"]
+    popen = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    server = DPServer(popen, base, 0, Path("/dev/null"))
+    try:
+        for rank in range(2):
+            wait_for_server(server.url(rank), timeout=180, proc=popen)
+        ranks = server.rank_pids()
+        p = _prompts(25, 1, 20, 20, 1000)[0]
+        assert _text(server.url(0), p) == _text(server.url(1), p)
+        assert "moe_expert" not in httpx.get(f"{server.url(1)}/metrics", timeout=30).text
+        popen.send_signal(signal.SIGTERM)
+        assert popen.wait(timeout=60) == 0
+        for pid in ranks:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if popen.poll() is None:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait()
+
+
 def test_expert_parallel_refuses_a_dense_model(tiny_model_dir):
     r = subprocess.run(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir)]

@@ -1,7 +1,9 @@
-"""Model hyper-parameters parsed from a Hugging Face ``config.json`` (Llama family only).
+"""Model hyper-parameters parsed from a Hugging Face ``config.json`` (Llama family, and the
+Qwen3-MoE / Mixtral mixtures of experts).
 
 Owns the mapping from the HF field names of LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM to one :class:`ModelConfig`; never touches weights.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM to one
+:class:`ModelConfig` (refusing MoE variants kvserve does not compute); never touches weights.
 """
 
 from __future__ import annotations
