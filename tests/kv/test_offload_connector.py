@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import zlib
 
 import pytest
@@ -58,6 +59,7 @@ class Harness:
         max_num_seqs: int = 4,
         max_num_batched_tokens: int = 32,
         events: bool = False,
+        **config_kw,
     ) -> None:
         # kv_cache: [blocks, layers=1, K/V, block_size, heads=1, head_dim=2]
         self.kv = torch.zeros(num_blocks, 1, 2, BS, 1, 2)
@@ -72,6 +74,7 @@ class Harness:
             kv_offload_block_size=BS * blocks_per_chunk,
             kv_offload_policy=policy,
             enable_kv_cache_events=events,
+            **config_kw,
         )
         self.kvm = KVCacheManager(
             num_blocks=num_blocks, block_size=BS, max_model_len=4096, enable_kv_cache_events=False
@@ -139,6 +142,7 @@ class Harness:
     def run(self, max_steps: int = 20000) -> None:
         for _ in range(max_steps):
             if not self.sched.has_requests():
+                self.drain_storage_writes()
                 self.assert_idle()
                 return
             if self.step().is_empty:  # only transfers in flight: let them land
@@ -154,11 +158,20 @@ class Harness:
         self.conn.worker.wait(list(self.conn._jobs))
         self.run()
 
+    def drain_storage_writes(self) -> None:
+        """Let the cascade of stored chunks to the storage tiers end (it pins host chunks)."""
+        deadline = time.monotonic() + 30
+        while self.conn.has_pending_work():
+            assert time.monotonic() < deadline, "storage writes did not end"
+            self.conn.storage.wait_any(0.05)
+            self.conn.get_finished(set())
+
     def assert_idle(self) -> None:
         self.sched.check_integrity()
         assert not self.conn._jobs and not self.conn._reqs and not self.conn._loads_to_start
         mgr = self.conn.manager
         assert all(mgr.ref_count(k) == 0 for k in list(mgr._entries))
+        mgr.check_integrity()
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -406,3 +419,25 @@ def test_requests_loading_kv_count_against_max_num_seqs() -> None:
         h.done[f"b{i}"].num_external_computed_tokens > 0 for i in range(6)
     )
     assert peak[0] <= 2
+
+
+def test_storage_hit_waits_for_host_slots_pinned_by_loads(tmp_path) -> None:
+    """A storage hit is staged through host slots: when every slot is pinned by another
+    request's load, the lookup asks again once they free up instead of missing."""
+    rng = random.Random(12)
+    h = Harness(
+        num_blocks=64, offload_chunks=4, max_num_seqs=4, max_num_batched_tokens=64,
+        kv_tier=[f"disk:path={tmp_path},size=1MiB,o_direct=false"],
+    )  # fmt: skip
+    a, b = prompt(rng, 18), prompt(rng, 18)
+    for rid, p in [("b0", b), ("a0", a)]:  # b's chunks reach disk, then a's fill the host
+        h.add(rid, p, 1)
+        h.run()
+        h.settle()
+    assert h.sched.reset_prefix_cache()
+    h.add("a1", a + [1], 1)  # loads its 4 host chunks: every host slot pinned
+    h.add("b1", b + [1], 1)  # its 4 chunks are on disk only
+    h.run()
+    assert h.done["a1"].num_external_computed_tokens == 16
+    assert h.done["b1"].num_external_computed_tokens == 16
+    h.conn.shutdown()

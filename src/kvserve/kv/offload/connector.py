@@ -171,7 +171,7 @@ class OffloadingConnector(KVConnectorBase):
         self._counts = {
             "load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0,
             "tier_loaded_chunks": 0, "tier_failed_chunks": 0, "tier_lookup_timeouts": 0,
-            "dropped_store_chunks": 0,
+            "dropped_store_chunks": 0, "tier_staging_timeouts": 0,
         }  # fmt: skip
         # Storage tiers below the host tier (created with it, in register_kv_caches).
         self.tier_specs = load_tier_specs(config.kv_tier, config.kv_tiers_config)
@@ -179,6 +179,8 @@ class OffloadingConnector(KVConnectorBase):
         self.storage: StorageWorker | None = None
         self.lookup_timeout = config.kv_tier_lookup_timeout
         self._tier_lookups: dict[str, _TierLookup] = {}
+        # Requests whose storage hits wait for host slots to stage into (since when).
+        self._room_waits: dict[str, float] = {}
         self._lookup_in_memory = False  # every tier answers lookups without I/O
         self._lookup_ops: dict[int, str] = {}  # lookup op -> request id
         self._read_ops: dict[int, int] = {}  # read op -> load job id
@@ -260,13 +262,32 @@ class OffloadingConnector(KVConnectorBase):
             lower = self._tier_lookup(rid, first + hits, keys[hits:])
             if lower is None:
                 return None, False  # lookup in flight: ask again next step
-            sources = lower
+            sources = self._stageable(rid, lower)
+            if sources is None:
+                return None, False  # host slots to stage into free up soon: ask again
         end = min((first + hits + len(sources)) * self.chunk_tokens, request.num_tokens - 1)
         num_external = end - num_computed_tokens
         if num_external < bs:  # less than a block: recomputing beats a round trip
             return 0, False
         self._lookups[rid] = _Lookup(num_computed_tokens, num_external, sources, hits)
         return num_external, True
+
+    def _stageable(self, rid: str, sources: list[int]) -> list[int] | None:
+        """The storage hits ``sources`` that host slots can be reserved for, to stage them
+        in. None (ask again next step) while fewer are reservable only because loads pin
+        slots or stores fill them: those end soon. Past ``kv_tier_lookup_timeout`` of
+        waiting, the hits that fit."""
+        mgr = self._mgr()
+        need = min(len(sources), mgr.capacity)
+        room = mgr.num_reservable()
+        if room >= need:
+            self._room_waits.pop(rid, None)
+            return sources
+        since = self._room_waits.setdefault(rid, time.monotonic())
+        if time.monotonic() - since < self.lookup_timeout:
+            return None
+        self._counts["tier_staging_timeouts"] += 1
+        return sources[:room]
 
     def _tier_lookup(self, rid: str, first: int, keys: list[bytes]) -> list[int] | None:
         """Source tier of each leading chunk of ``keys`` (chunk ``first`` on) held below the
@@ -295,6 +316,7 @@ class OffloadingConnector(KVConnectorBase):
     ) -> None:
         rid = request.request_id
         lookup = self._lookups.pop(rid, None)
+        self._room_waits.pop(rid, None)
         tl = self._tier_lookups.pop(rid, None)
         if tl is not None:
             self._lookup_ops.pop(tl.op_id, None)
@@ -493,6 +515,7 @@ class OffloadingConnector(KVConnectorBase):
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
         self._lookups.pop(rid, None)
+        self._room_waits.pop(rid, None)
         tl = self._tier_lookups.pop(rid, None)
         if tl is not None:
             self._lookup_ops.pop(tl.op_id, None)

@@ -90,6 +90,7 @@ class OffloadingManager:
         self.stats = ManagerStats()
         self._entries: dict[ChunkKey, _Entry] = {}
         self._events: list[AnyKVEvent] = []
+        self._num_evictable = 0  # entries at ref 0
 
     # -- queries --------------------------------------------------------------------------
     def state(self, key: ChunkKey) -> LookupState:
@@ -125,6 +126,11 @@ class OffloadingManager:
     def num_chunks(self) -> int:
         return len(self._entries)
 
+    def num_reservable(self) -> int:
+        """Slots a :meth:`prepare_store` could have now: free ones and evictable chunks'
+        (the others are pinned by loads or being stored, and free up when those end)."""
+        return self.backend.num_free_slots() + self._num_evictable
+
     @property
     def capacity(self) -> int:
         return self.backend.num_slots
@@ -142,6 +148,8 @@ class OffloadingManager:
         slots = []
         for key in keys:
             e = self._entries[key]
+            if e.ref == 0:
+                self._num_evictable -= 1
             e.ref += 1
             self.policy.touch(key)
             slots.append(e.slot)
@@ -154,8 +162,10 @@ class OffloadingManager:
             if e is None or e.ref <= 0:
                 raise RuntimeError(f"complete_load of chunk {key.hex()[:16]} that is not loading")
             e.ref -= 1
-            if e.ref == 0 and e.invalid:
-                self._drop(key, e, removed=True)
+            if e.ref == 0:
+                self._num_evictable += 1
+                if e.invalid:
+                    self._drop(key, e, removed=True)
 
     def touch(self, keys: Iterable[ChunkKey]) -> None:
         """Mark held keys as used now (also for chunks that hit in a higher tier)."""
@@ -226,6 +236,7 @@ class OffloadingManager:
                 raise RuntimeError(f"complete_store of chunk {key.hex()[:16]} that is not storing")
             if success:
                 e.ref = 0
+                self._num_evictable += 1
                 self.policy.insert(key)
                 self.stats.stored += 1
                 stored.append(e)
@@ -254,6 +265,11 @@ class OffloadingManager:
             if e.ref == 0:
                 self._drop(key, e, removed=True)
 
+    def check_integrity(self) -> None:
+        evictable = sum(e.ref == 0 for e in self._entries.values())
+        if evictable != self._num_evictable:
+            raise AssertionError(f"{evictable} evictable chunks, counted {self._num_evictable}")
+
     # -- events ---------------------------------------------------------------------------
     def take_events(self) -> list[AnyKVEvent]:
         events, self._events = self._events, []
@@ -262,6 +278,8 @@ class OffloadingManager:
     def _drop(self, key: ChunkKey, e: _Entry, *, removed: bool, in_policy: bool = True) -> None:
         """Forget ``key`` and free its slot; ``removed``: it was loadable (emit BlockRemoved)."""
         del self._entries[key]
+        if e.ref == 0:
+            self._num_evictable -= 1
         if in_policy:
             self.policy.remove(key)
         self.backend.free_slots([e.slot])
