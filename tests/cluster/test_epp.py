@@ -29,6 +29,8 @@ from kvserve.cluster.gateway import Router
 from tests.cluster.processes import fake_backends, router_process
 
 pytestmark = pytest.mark.slow
+KEY = "sk-epp-client"  # the clients' key; the engines have their own, only the pickers hold it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -43,6 +45,7 @@ class EppProcess:
             if a == "--endpoint":
                 self.args += ["--endpoint", argv[i + 1]]
         self.grpc_port = free_port()
+        self.env = {"KVSERVE_API_KEY": KEY, "KVSERVE_UPSTREAM_API_KEY": cluster.engine_api_key}
         self.tmp = tmp
         self._stack: contextlib.ExitStack | None = None
         self.url = ""
@@ -50,7 +53,9 @@ class EppProcess:
     def start(self) -> None:
         self._stack = contextlib.ExitStack()
         self.url = self._stack.enter_context(
-            router_process(self.tmp, {}, *self.args, "--epp-port", str(self.grpc_port))
+            router_process(
+                self.tmp, {}, *self.args, "--epp-port", str(self.grpc_port), env=self.env
+            )
         )
 
     def stop(self) -> None:
@@ -59,7 +64,7 @@ class EppProcess:
             self._stack = None
 
     def state(self) -> dict[str, dict]:
-        r = httpx.get(self.url + "/router/state", timeout=10, trust_env=False)
+        r = httpx.get(self.url + "/router/state", headers=AUTH, timeout=10, trust_env=False)
         return {e["name"]: e for e in r.json()["endpoints"]}
 
 
@@ -71,6 +76,7 @@ def stack(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[LocalCluster, EppP
         num_engines=2,
         engine_args=["--num-kv-blocks", "256", "--num-threads", "1"],
         log_dir=str(tmp),
+        api_key=KEY,
     )
     with LocalCluster(spec) as cluster:
         epp = EppProcess(cluster, tmp)
@@ -84,7 +90,11 @@ def stack(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[LocalCluster, EppP
 
 def _complete(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
     return httpx.post(
-        url + "/v1/completions", json=body, headers=headers, timeout=60, trust_env=False
+        url + "/v1/completions",
+        json=body,
+        headers={**AUTH, **(headers or {})},
+        timeout=60,
+        trust_env=False,
     )
 
 
@@ -163,9 +173,22 @@ def test_sessions_land_where_their_prefix_is_as_through_the_http_router(stack):
         assert _served(r)[0] == first[i]
 
 
+def test_keys_the_picker_checks_and_the_engines_own_key_it_sends(stack):
+    """As the HTTP router: the clients' key at the picker (401 before any pick), the engines
+    reached with their own key (the clients' would be refused there)."""
+    cluster, _, envoy = stack
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(envoy.url + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(cluster.engine_urls[0] + "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 401  # the clients' key does not open an engine
+    assert _complete(envoy.url, body).status_code == 200
+
+
 def test_bad_json_gets_an_openai_error_from_the_picker(stack):
     _, _, envoy = stack
-    r = httpx.post(envoy.url + "/v1/completions", content=b'{"model": ', timeout=30)
+    r = httpx.post(envoy.url + "/v1/completions", content=b'{"model": ', headers=AUTH, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert "JSON" in r.json()["error"]["message"]
@@ -174,7 +197,9 @@ def test_bad_json_gets_an_openai_error_from_the_picker(stack):
 def _stream(url: str, body: dict) -> tuple[list[bytes], int]:
     """The SSE events of a streamed completion, and how many reads the client made."""
     data, reads = b"", 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60, trust_env=False) as r:
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, headers=AUTH, timeout=60, trust_env=False
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         for piece in r.iter_raw():
@@ -204,9 +229,15 @@ def test_a_1mb_body_passes_intact(stack):
     data = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 1}).encode()
     assert len(data) >= 1 << 20
     headers = {"content-type": "application/json"}
-    via = httpx.post(envoy.url + "/v1/completions", content=data, headers=headers, timeout=60)
+    via = httpx.post(
+        envoy.url + "/v1/completions", content=data, headers={**headers, **AUTH}, timeout=60
+    )
+    engine_auth = {"Authorization": f"Bearer {cluster.engine_api_key}"}
     direct = httpx.post(
-        cluster.engine_urls[0] + "/v1/completions", content=data, headers=headers, timeout=60
+        cluster.engine_urls[0] + "/v1/completions",
+        content=data,
+        headers={**headers, **engine_auth},
+        timeout=60,
     )
     assert via.status_code == direct.status_code == 400
     assert via.json() == direct.json()
@@ -224,7 +255,7 @@ def test_the_other_body_modes(stack, tmp_path, mode):
         ids = list(range(100000, 240000))
         r = _complete(e.url, {"model": "tiny", "prompt": ids, "max_tokens": 1})
         assert r.status_code == 400 and f"has {len(ids)} tokens" in r.json()["error"]["message"]
-        r = httpx.post(e.url + "/v1/completions", content=b"[1, 2", timeout=30)
+        r = httpx.post(e.url + "/v1/completions", content=b"[1, 2", headers=AUTH, timeout=30)
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 

@@ -322,9 +322,16 @@ class Router:
     def _secured(self, path: str) -> bool:
         return path.startswith("/v1/") or path in self._secured_exact
 
+    def needs_key(self, path: str) -> bool:
+        """Whether a request to ``path`` must carry one of the configured API keys."""
+        return bool(self._key_digests) and self._secured(path)
+
     def _authorized(self, req: HttpRequest) -> bool:
-        """A bearer key equal to one of ours (every key compared, in constant time)."""
-        value = req.header(b"authorization")
+        return self.authorized(req.header(b"authorization"))
+
+    def authorized(self, value: str | None) -> bool:
+        """An ``Authorization`` value with a bearer key equal to one of ours (every key
+        compared, in constant time)."""
         if value is None:
             return False
         scheme, _, token = value.strip().partition(" ")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -80,17 +81,23 @@ def _header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def immediate(
-    status: int, message: str, etype: str, code: str | None = None, retry_after: int | None = None
+    status: int,
+    message: str,
+    etype: str,
+    code: str | None = None,
+    retry_after: int | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> pb.ProcessingResponse:
     """An ImmediateResponse with an OpenAI-style error body."""
     body = {"error": {"message": message, "type": etype, "param": None, "code": code}}
-    headers = [_header_value("content-type", "application/json")]
+    out = [_header_value("content-type", "application/json")]
+    out += [_header_value(k, v) for k, v in headers]
     if retry_after is not None:
-        headers.append(_header_value("retry-after", str(retry_after)))
+        out.append(_header_value("retry-after", str(retry_after)))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=headers),
+            headers=pb.HeaderMutation(set_headers=out),
             body=_json_encode(body),
             details=f"kvserve_epp_{status}",
         )
@@ -102,11 +109,12 @@ class Pick:
 
     __slots__ = ("value", "mutation", "metadata")
 
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], auth: tuple[bytes, bytes] | None = None) -> None:
         self.value = ",".join(addresses)
-        self.mutation = pb.HeaderMutation(
-            set_headers=[_header_value(DESTINATION_HEADER, self.value)]
-        )
+        headers = [_header_value(DESTINATION_HEADER, self.value)]
+        if auth is not None:  # the endpoint's own key, as the HTTP router sends it
+            headers.append(_header_value("authorization", auth[1].decode("latin-1")))
+        self.mutation = pb.HeaderMutation(set_headers=headers)
         self.metadata = struct_pb2.Struct()
         self.metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: self.value}})
 
@@ -165,6 +173,18 @@ class ExtProcStream:
     async def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         for h in msg.request_headers.headers.headers:
             self.headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+        core = self.epp.core
+        path = self.headers.get(":path", "/").partition("?")[0]
+        if core.needs_key(path) and not core.authorized(self.headers.get("authorization")):
+            self.picked = True  # answered: nothing more to pick
+            core.metrics.rejected_of(401).inc()
+            return [
+                immediate(
+                    401, "Incorrect API key provided: send `Authorization: Bearer <key>`.",
+                    "invalid_request_error", "invalid_api_key",
+                    headers=[("www-authenticate", "Bearer")],
+                )
+            ]  # fmt: skip
         mode = self.request_mode
         deferred = mode == FULL_DUPLEX or (mode == STREAMED and self.body_early)
         if msg.request_headers.end_of_stream or (mode in (NONE, STREAMED) and not deferred):
@@ -301,7 +321,7 @@ class ExtProcStream:
         self.t_pick = time.perf_counter()
         metrics.decisions_of(decision.reason).inc()
         metrics.routing_time.observe(self.t_pick - t0)
-        return Pick([epp.address_of(e) for e in ranked])
+        return Pick([epp.address_of(e) for e in ranked], first.auth_header)
 
     # ------------------------------------------------------------------ response path
 
