@@ -15,6 +15,7 @@ import random
 import threading
 import time
 import zlib
+from collections import deque
 
 import pytest
 import torch
@@ -440,4 +441,33 @@ def test_storage_hit_waits_for_host_slots_pinned_by_loads(tmp_path) -> None:
     h.run()
     assert h.done["a1"].num_external_computed_tokens == 16
     assert h.done["b1"].num_external_computed_tokens == 16
+    h.conn.shutdown()
+
+
+def test_cascade_write_that_failed_is_retried(redis_server_factory) -> None:
+    """A chunk whose write reached no storage tier (the server was down) is written again
+    once, later: with the server back by then, it is a storage hit afterwards."""
+    rng = random.Random(13)
+    srv = redis_server_factory()
+    h = Harness(
+        num_blocks=64, offload_chunks=8, max_num_seqs=4, max_num_batched_tokens=64,
+        kv_tier=[f"redis:url={srv.url},socket_timeout=0.5"],
+    )  # fmt: skip
+    h.conn.write_retry_delay_s = 60.0  # retried only when the test says so
+    p = prompt(rng, 18)
+    srv.stop()
+    h.add("r0", p, 1)
+    while h.sched.has_requests() or h.conn._write_ops:  # stored; the write fails
+        h.step()
+        h.conn.storage.wait_any(0.01)
+    assert h.conn.stats().extra["tier_write_retried_chunks"] == 4
+    srv.start()
+    h.conn._write_retries = deque((0.0, keys) for _, keys in h.conn._write_retries)  # due now
+    h.run()
+    assert h.conn.stats().extra["tier_write_failed_chunks"] == 0
+    h.conn.manager.clear()  # only the storage tier holds the chunks now
+    assert h.sched.reset_prefix_cache()
+    h.add("r1", p + [1], 1)
+    h.run()
+    assert h.done["r1"].num_external_computed_tokens == 16
     h.conn.shutdown()

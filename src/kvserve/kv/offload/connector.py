@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,9 @@ if TYPE_CHECKING:
     from kvserve.kv.events import AnyKVEvent
 
 logger = logging.getLogger(__name__)
+
+# A cascade write that reached no storage tier is retried once, this long after it ended.
+WRITE_RETRY_DELAY_S = 1.0
 
 
 @dataclass
@@ -172,6 +176,7 @@ class OffloadingConnector(KVConnectorBase):
             "load_jobs": 0, "store_jobs": 0, "loaded_chunks": 0, "invalid_chunks": 0,
             "tier_loaded_chunks": 0, "tier_failed_chunks": 0, "tier_lookup_timeouts": 0,
             "dropped_store_chunks": 0, "tier_staging_timeouts": 0,
+            "tier_write_retried_chunks": 0, "tier_write_failed_chunks": 0,
         }  # fmt: skip
         # Storage tiers below the host tier (created with it, in register_kv_caches).
         self.tier_specs = load_tier_specs(config.kv_tier, config.kv_tiers_config)
@@ -184,7 +189,11 @@ class OffloadingConnector(KVConnectorBase):
         self._lookup_in_memory = False  # every tier answers lookups without I/O
         self._lookup_ops: dict[int, str] = {}  # lookup op -> request id
         self._read_ops: dict[int, int] = {}  # read op -> load job id
-        self._write_ops: dict[int, list[bytes]] = {}  # write op -> host chunks it pins
+        # write op -> (host chunks it pins, attempt: 0 first, 1 the retry)
+        self._write_ops: dict[int, tuple[list[bytes], int]] = {}
+        # Chunks that reached no storage tier, still pinned, retried once at the given time.
+        self._write_retries: deque[tuple[float, list[bytes]]] = deque()
+        self.write_retry_delay_s = WRITE_RETRY_DELAY_S
         self._reads_to_start: list[tuple[int, list[ReadItem]]] = []
         self._events: list[AnyKVEvent] = []
         # Block hashes of chunks in private storage tiers (for BlockRemoved on eviction).
@@ -663,6 +672,8 @@ class OffloadingConnector(KVConnectorBase):
         if self.storage is not None:
             for sres in self.storage.poll():
                 self._storage_done(sres, out)
+            if self._write_retries:
+                self._retry_writes()
         if not self.worker.has_results():  # most steps: nothing ended
             return out
         mgr = self._mgr()
@@ -718,22 +729,35 @@ class OffloadingConnector(KVConnectorBase):
 
     # ================================ storage tiers =====================================
     def has_pending_work(self) -> bool:
-        return bool(self._write_ops)
+        return bool(self._write_ops) or bool(self._write_retries)
 
     def _cascade(self, keys: list[bytes]) -> None:
         """Chunks just stored in the host tier: write them to every storage tier. Their host
         slots are pinned (as for a load) until the write ends, so they are not reused under
         it; a write the storage worker cannot queue is dropped (counted by each tier)."""
         assert self.storage is not None
+        self._mgr().prepare_load(keys)
+        self._write(keys, attempt=0)
+
+    def _write(self, keys: list[bytes], attempt: int) -> None:
+        """Write pinned host chunks to the storage tiers (unpinned when the write ends)."""
+        assert self.storage is not None
         mgr = self._mgr()
-        spec = mgr.prepare_load(keys)
         slot_u8 = self.tier.slots_u8
-        payloads = [memoryview(slot_u8[s].numpy()) for s in spec.slots]
+        payloads = [memoryview(slot_u8[mgr.slot_of(k)].numpy()) for k in keys]
         op = self.storage.write(keys, payloads)
         if op is None:
             mgr.complete_load(keys)
         else:
-            self._write_ops[op] = keys
+            self._write_ops[op] = (keys, attempt)
+
+    def _retry_writes(self) -> None:
+        """Writes that reached no tier, once their retry time came (a tier down for a moment:
+        a server restarting, a disk briefly full)."""
+        now = time.monotonic()
+        while self._write_retries and self._write_retries[0][0] <= now:
+            _, keys = self._write_retries.popleft()
+            self._write(keys, attempt=1)
 
     def _storage_done(self, res: StorageResult, out: KVConnectorOutput) -> None:
         """Apply one finished storage operation (engine thread)."""
@@ -743,12 +767,24 @@ class OffloadingConnector(KVConnectorBase):
             if tl is not None and tl.op_id == res.op_id:
                 tl.sources = res.sources
         elif res.kind == "write":
-            keys = self._write_ops.pop(res.op_id, [])
+            keys, attempt = self._write_ops.pop(res.op_id, ([], 0))
             mgr = self._mgr()
             if self.emit_events:
                 for t, stored in res.stored.items():
                     self._emit_tier_stored(t, [mgr.meta_of(k) for k in stored], stored)
-            mgr.complete_load(keys)
+            ok = res.ok if len(res.ok) == len(keys) else [False] * len(keys)
+            failed = [k for k, g in zip(keys, ok, strict=True) if not g]
+            mgr.complete_load([k for k, g in zip(keys, ok, strict=True) if g])
+            if failed and attempt == 0:  # keep them pinned: retried once, later
+                self._counts["tier_write_retried_chunks"] += len(failed)
+                self._write_retries.append((time.monotonic() + self.write_retry_delay_s, failed))
+            elif failed:
+                self._counts["tier_write_failed_chunks"] += len(failed)
+                logger.warning(
+                    "%d KV chunk(s) reached no storage tier, even retried: not written",
+                    len(failed),
+                )
+                mgr.complete_load(failed)
         elif res.kind == "read":
             job_id = self._read_ops.pop(res.op_id, None)
             rec = self._jobs.get(job_id) if job_id is not None else None
