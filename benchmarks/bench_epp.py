@@ -81,23 +81,28 @@ async def serve_null_processor(port: int, destination: str) -> None:
     class Null(pb_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator, context):  # noqa: N802
             body = []
-            async for msg in request_iterator:
+            while (msg := await context.read()) is not grpc.aio.EOF:
                 kind = msg.WhichOneof("request")
                 if kind == "request_body":
                     body.append(msg.request_body.body)
                     if msg.request_body.end_of_stream:
-                        yield pb.ProcessingResponse(
-                            request_headers=pb.HeadersResponse(
-                                response=pb.CommonResponse(header_mutation=pick.mutation)
-                            ),
-                            dynamic_metadata=pick.metadata,
+                        await context.write(
+                            pb.ProcessingResponse(
+                                request_headers=pb.HeadersResponse(
+                                    response=pb.CommonResponse(header_mutation=pick.mutation)
+                                ),
+                                dynamic_metadata=pick.metadata,
+                            )
                         )
                         for out in _echo(b"".join(body), True, request=True):
-                            yield out
+                            await context.write(out)
                 elif kind == "response_headers":
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
+                    r = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
+                    await context.write(r)
                 elif kind == "response_body":
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=cont))
+                    await context.write(
+                        pb.ProcessingResponse(response_body=pb.BodyResponse(response=cont))
+                    )
 
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
