@@ -35,7 +35,7 @@ class BuildExt(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         if ext.name.endswith("_paged_attention") and self.compiler.compiler_type == "unix":
-            ext.extra_compile_args = [*ext.extra_compile_args, "-O3", "-std=gnu11"]
+            ext.extra_compile_args = [*ext.extra_compile_args, "-O3", "-std=gnu11", "-Wno-psabi"]
             if _compiler_accepts(self.compiler, ["-fopenmp"]):
                 ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
                 ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]

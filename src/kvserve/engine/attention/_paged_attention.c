@@ -21,8 +21,8 @@
  * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
  * rounded to nearest even. The per-item function is compiled for AVX-512, AVX2+FMA and the
  * baseline (target_clones, resolved once at load), so one build runs on any x86-64; head dims
- * 64, 96 and 128 get unrolled vector copies, others plain loops (each copy adds seconds to the
- * build). The GIL is released while the kernel runs.
+ * 64, 96 and 128 get unrolled vector copies, others plain loops (each copy adds seconds to
+ * the build). The GIL is released while the kernel runs.
  */
 #define PY_SSIZE_T_CLEAN
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vector helpers are always inlined */
@@ -126,11 +126,11 @@ PA_INLINE float exp_neg(float x)
 
 /* Scratch floats one thread needs: per-row state for up to max(TILE_ROWS, Hq) rows (a
  * prefill tile of one head, or a decode over several heads), one chunk's scores, one chunk
- * of K and V widened to fp32 (bf16). */
+ * of K and V widened to fp32 (bf16), a tile's queries transposed. */
 static int64_t scratch_floats(int64_t d, int64_t hq)
 {
     const int64_t rows = hq > TILE_ROWS ? hq : TILE_ROWS;
-    return rows * (2 * d + 2) + VMAX_ROWS * CHUNK + 2 * CHUNK * d + 64;
+    return rows * (2 * d + 2) + CHUNK * TILE_ROWS + 2 * CHUNK * d + TILE_ROWS * d + 64;
 }
 
 /* Online-softmax step of one row over scores s[0:n) (entries >= nv masked): returns the
@@ -211,6 +211,118 @@ PA_INLINE float hsum(vf v)
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+/* acc[r] = acc[r] * alpha[r] + sum_t P(r, t) V[t] for R rows, P(r, t) = P[r * rs + t * ts];
+ * the R accumulator rows stay in registers while the V rows stream by. */
+PA_INLINE void pv_rows(float *restrict acc, const float *restrict P, int64_t rs, int64_t ts,
+                       const float *alpha, const float *const *vp, int64_t n, const int R,
+                       const int ND)
+{
+    const int D = ND * 16;
+    vf o[VMAX_ROWS][VMAX_ND];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            o[r][j] = vload(acc + r * D + 16 * j) * alpha[r];
+    for (int64_t t = 0; t < n; t++) {
+        vf v[VMAX_ND];
+        for (int j = 0; j < ND; j++)
+            v[j] = vload(vp[t] + 16 * j);
+        for (int r = 0; r < R; r++) {
+            const float p = P[r * rs + t * ts];
+            for (int j = 0; j < ND; j++)
+                o[r][j] += p * v[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            vstore(acc + r * D + 16 * j, o[r][j]);
+}
+
+/* Scores of TB keys against all rows of a tile, the rows in the lanes: St[t][m] =
+ * sum_i K[t][i] Qt[i][m], one broadcast K element times a row vector of Qt per step (no
+ * reduction across lanes). MV: 16-row vectors per tile (1 or 2). */
+PA_INLINE void scores_tr(const float *restrict Qt, const float *const *kp, float *restrict St,
+                         const int TB, const int MV, const int D)
+{
+    vf s[4][2];
+    for (int tb = 0; tb < TB; tb++)
+        for (int v = 0; v < MV; v++)
+            s[tb][v] = (vf){0};
+    for (int i = 0; i < D; i++) {
+        vf q[2];
+        for (int v = 0; v < MV; v++)
+            q[v] = vload(Qt + i * TILE_ROWS + 16 * v);
+        for (int tb = 0; tb < TB; tb++) {
+            const float k = kp[tb][i];
+            for (int v = 0; v < MV; v++)
+                s[tb][v] += k * q[v];
+        }
+    }
+    for (int tb = 0; tb < TB; tb++)
+        for (int v = 0; v < MV; v++)
+            vstore(St + tb * TILE_ROWS + 16 * v, s[tb][v]);
+}
+
+/* A tile of M >= 8 rows of one KV head (prefill) over one chunk: scores with the rows in the
+ * vector lanes (Qt: the tile's queries transposed, [D][TILE_ROWS]), online softmax across the
+ * lanes, then the accumulator update in row groups as for decodes. */
+PA_INLINE void tile_transposed(const float *restrict Qt, float *restrict acc,
+                               float *restrict St, float *mx, float *sum,
+                               const float *const *kp, const float *const *vp, int64_t n,
+                               const int64_t *nv, int64_t M, const int ND)
+{
+    const int D = ND * 16;
+    int64_t t = 0;
+    if (M > 16) {
+        for (; t + 4 <= n; t += 4)
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 4, 2, D);
+        for (; t < n; t++)
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, 2, D);
+    } else {
+        for (; t + 4 <= n; t += 4)
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 4, 1, D);
+        for (; t < n; t++)
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, 1, D);
+    }
+    for (int64_t m = 0; m < M; m++) /* causal mask: only the diagonal chunk has any */
+        for (int64_t u = nv[m] < 0 ? 0 : nv[m]; u < n; u++)
+            St[u * TILE_ROWS + m] = -INFINITY;
+    float cmax[TILE_ROWS], alpha[TILE_ROWS], psum[TILE_ROWS];
+    for (int64_t m = 0; m < M; m++) {
+        cmax[m] = mx[m];
+        psum[m] = 0.0f;
+    }
+    for (int64_t u = 0; u < n; u++)
+#pragma omp simd
+        for (int64_t m = 0; m < M; m++)
+            cmax[m] = St[u * TILE_ROWS + m] > cmax[m] ? St[u * TILE_ROWS + m] : cmax[m];
+#pragma omp simd
+    for (int64_t m = 0; m < M; m++) {
+        alpha[m] = exp_neg(mx[m] - cmax[m]);
+        mx[m] = cmax[m];
+    }
+    for (int64_t u = 0; u < n; u++) {
+        float *restrict row = St + u * TILE_ROWS;
+#pragma omp simd
+        for (int64_t m = 0; m < M; m++) {
+            const float e = exp_neg(row[m] - cmax[m]);
+            row[m] = e;
+            psum[m] += e;
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        sum[m] = sum[m] * alpha[m] + psum[m];
+    const int RMAX = D <= 64 ? 4 : 2;
+    for (int64_t m = 0; m < M; m += RMAX) {
+        const int64_t R = M - m < RMAX ? M - m : RMAX;
+        if (R == RMAX) /* constant row count: register-resident accumulators */
+            pv_rows(acc + m * D, St + m, 1, TILE_ROWS, alpha + m, vp, n, RMAX, ND);
+        else
+            for (int64_t r = 0; r < R; r++)
+                pv_rows(acc + (m + r) * D, St + m + r, 1, TILE_ROWS, alpha + m + r, vp, n, 1,
+                        ND);
+    }
+}
+
 PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *restrict S,
                         float *mx, float *sum, const float *const *kp, const float *const *vp,
                         int64_t n, const int64_t *nv, const int R, const int ND)
@@ -239,32 +351,16 @@ PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *res
     float alpha[VMAX_ROWS];
     for (int r = 0; r < R; r++)
         alpha[r] = softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
-    vf o[VMAX_ROWS][VMAX_ND];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < ND; j++)
-            o[r][j] = vload(acc + r * D + 16 * j) * alpha[r];
-    for (int64_t t = 0; t < n_any; t++) {
-        vf v[VMAX_ND];
-        for (int j = 0; j < ND; j++)
-            v[j] = vload(vp[t] + 16 * j);
-        for (int r = 0; r < R; r++) {
-            const float p = S[r * CHUNK + t];
-            for (int j = 0; j < ND; j++)
-                o[r][j] += p * v[j];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < ND; j++)
-            vstore(acc + r * D + 16 * j, o[r][j]);
+    pv_rows(acc, S, CHUNK, 1, alpha, vp, n_any, R, ND);
 }
 
 /* All rows of a tile over one chunk: groups of up to 4 rows (2 above D = 64, so that the
  * accumulators stay in registers). */
 PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float *sum,
                           const float *const *kp, const float *const *vp, int64_t n,
-                          const int64_t *nv, int64_t M, const int64_t D)
+                          const int64_t *nv, int64_t M, const int64_t D, const int vec)
 {
-    if (D % 16 == 0 && D <= 16 * VMAX_ND) {
+    if (vec) {
         const int ND = (int)(D / 16), RMAX = D <= 64 ? 4 : 2;
         for (int64_t m = 0; m < M; m += RMAX) {
             const int64_t R = M - m < RMAX ? M - m : RMAX;
@@ -286,7 +382,10 @@ PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float
         rows_generic(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, 1, D);
 }
 
-PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const int64_t D)
+/* One work item. D and vec are constants at every call: vec (D a multiple of 16, <= 128)
+ * selects the vector paths, which then compile only for the specialized head dims. */
+PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const int64_t D,
+                        const int vec)
 {
     const int64_t *r = a->reqs + 4 * it->req;
     const int64_t q_start = r[0], q_len = r[1], seq_len = r[2];
@@ -302,10 +401,13 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     float *restrict mx = acc + rows * D;
     float *restrict sum = mx + rows;
     float *restrict S = sum + rows;
-    float *restrict Kf = S + VMAX_ROWS * CHUNK;
+    float *restrict Kf = S + CHUNK * TILE_ROWS;
     float *restrict Vf = Kf + CHUNK * D;
+    float *restrict Qt = Vf + CHUNK * D;
     const float *kp[CHUNK], *vp[CHUNK];
     int64_t nv[TILE_ROWS];
+    /* Prefill tiles of 8+ rows: scores with the rows in the lanes (tile_transposed). */
+    const int transposed = vec && nh == 1 && M >= 8;
 
     for (int64_t m = 0; m < rows; m++) {
         const int64_t i = m % M, tok = q_start + it->q0 + i / G;
@@ -316,6 +418,10 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
         mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
         sum[m] = 0.0f;
     }
+    if (transposed)
+        for (int64_t j = 0; j < D; j++)
+            for (int64_t m = 0; m < TILE_ROWS; m++)
+                Qt[j * TILE_ROWS + m] = m < M ? Q[m * D + j] : 0.0f;
     const int64_t s_kv = a->c_kv * elem;
     const int64_t heads_bytes = (nh - 1) * a->c_head * elem + D * elem; /* of one slot */
     for (int64_t p0 = 0; p0 < kv_end; p0 += CHUNK) {
@@ -366,7 +472,11 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
                 }
             }
             const int64_t m0 = hh * M;
-            chunk_rows(Q + m0 * D, acc + m0 * D, S, mx + m0, sum + m0, kp, vp, n, nv, M, D);
+            if (transposed)
+                tile_transposed(Qt, acc, S, mx, sum, kp, vp, n, nv, M, (int)(D / 16));
+            else
+                chunk_rows(Q + m0 * D, acc + m0 * D, S, mx + m0, sum + m0, kp, vp, n, nv, M, D,
+                           vec);
         }
     }
     for (int64_t m = 0; m < rows; m++) {
@@ -392,14 +502,14 @@ PA_CLONES static void attend_item(const pa_args *a, const pa_item *it, float *ws
     switch (a->d) { /* constant head dims: unrolled, register-resident rows */
 #define PA_HEAD_DIM(d)                                                                        \
     case d:                                                                                   \
-        attend_d(a, it, ws, d);                                                               \
+        attend_d(a, it, ws, d, 1);                                                            \
         break;
         PA_HEAD_DIM(64)
         PA_HEAD_DIM(96)
         PA_HEAD_DIM(128)
 #undef PA_HEAD_DIM
     default: /* any other head dim: plain loops */
-        attend_d(a, it, ws, a->d);
+        attend_d(a, it, ws, a->d, 0);
     }
 }
 
