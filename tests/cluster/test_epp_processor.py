@@ -83,11 +83,12 @@ def _destination(out: list[pb.ProcessingResponse]) -> str:
     return value
 
 
-def _served(address: str, end: bool = False) -> pb.ProcessingRequest:
+def _served(address: str, end: bool = False, length: bool = False) -> pb.ProcessingRequest:
+    hs = [(":status", b"200")] + [("content-length", b"17")] * length
     msg = pb.ProcessingRequest(
         response_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")]
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hs]
             ),
             end_of_stream=end,
         )
@@ -179,5 +180,20 @@ def test_a_request_without_body_is_picked_on_its_headers():
         (resp,) = await s.handle(_served(_destination(out).split(",")[0], end=True))
         assert resp.HasField("response_headers")
         assert all(e.in_flight == 0 for e in epp.core.pool.endpoints.values())
+
+    asyncio.run(run())
+
+
+def test_an_answer_with_a_length_is_released_at_its_headers_and_its_body_skipped():
+    async def run() -> None:
+        epp = _picker()
+        s = ExtProcStream(epp)
+        await s.handle(_headers())
+        first = _destination(await s.handle(_body(BODY, True))).split(",")[0]
+        assert epp.endpoint_at(first).in_flight == 1
+        (resp,) = await s.handle(_served(first, length=True))
+        assert resp.HasField("mode_override")  # response body NONE: it skips the EPP
+        assert resp.mode_override.response_body_mode == 0
+        assert epp.endpoint_at(first).in_flight == 0  # the engine has finished it
 
     asyncio.run(run())

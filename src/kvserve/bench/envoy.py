@@ -61,6 +61,7 @@ class EnvoySpec:
     direct_upstream: tuple[str, int] | None = None  # a listener without ext_proc, to here
     served_attribute: bool = True  # send `upstream.address` with the response headers
     concurrency: int = 1  # Envoy worker threads
+    allow_mode_override: bool = True  # the EPP may skip the response body (see processor)
     # A request header SUBSET_HEADER (``ip:port,...``) becomes the subset hint metadata.
     subset_hint_header: bool = True
 
@@ -180,6 +181,8 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
                 else "SKIP",
                 "response_trailer_mode": "SKIP",
             },
+            # The EPP skips the body of answers that come with a length (finished requests).
+            "allow_mode_override": spec.allow_mode_override,
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                 "receiving_namespaces": {"untyped": ["envoy.lb"]},

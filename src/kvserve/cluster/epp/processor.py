@@ -68,6 +68,7 @@ BUFFERED_PARTIAL = _Mode.BUFFERED_PARTIAL
 NONE = _Mode.NONE
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _CONTINUE = pb.CommonResponse()
+_SKIP_RESPONSE_BODY = _Mode(response_body_mode=NONE, response_trailer_mode=_Mode.SKIP)
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 _COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
@@ -326,10 +327,14 @@ class ExtProcStream:
     # ------------------------------------------------------------------ response path
 
     def _response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        status = 0
+        status, length, event_stream = 0, False, False
         for h in msg.response_headers.headers.headers:
             if h.key == ":status":
                 status = int((h.raw_value or h.value.encode()).decode() or 0)
+            elif h.key == "content-length":
+                length = True
+            elif h.key == "content-type":
+                event_stream = (h.raw_value or h.value.encode()).startswith(b"text/event-stream")
         core = self.epp.core
         served = self._learn_served(msg)
         if served is None and self.counted is not None:
@@ -346,15 +351,21 @@ class ExtProcStream:
             mutation = pb.HeaderMutation(
                 set_headers=[_header_value(ENDPOINT_RESPONSE_HEADER, served.name)]
             )
+        out = pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation)
+            )
+        )
         if msg.response_headers.end_of_stream:
             self.release()
-        return [
-            pb.ProcessingResponse(
-                response_headers=pb.HeadersResponse(
-                    response=pb.CommonResponse(header_mutation=mutation)
-                )
-            )
-        ]
+        elif length and not event_stream:
+            # An answer with a length comes from an engine that has finished the request:
+            # release now, and ask Envoy (``allow_mode_override``) not to send its body
+            # through here: one message less each way.
+            if self.response_mode != NONE:
+                out.mode_override.CopyFrom(_SKIP_RESPONSE_BODY)
+            self.release()
+        return [out]
 
     @staticmethod
     def _served_address(msg: pb.ProcessingRequest) -> str:
