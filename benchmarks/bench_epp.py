@@ -73,6 +73,7 @@ async def serve_null_processor(port: int, destination: str) -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+    from kvserve.cluster.epp.processor import _SKIP_RESPONSE_BODY as skip_body
     from kvserve.cluster.epp.processor import Pick, _echo
 
     pick = Pick([destination])
@@ -98,6 +99,8 @@ async def serve_null_processor(port: int, destination: str) -> None:
                             await context.write(out)
                 elif kind == "response_headers":
                     r = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
+                    if any(h.key == "content-length" for h in msg.response_headers.headers.headers):
+                        r.mode_override.CopyFrom(skip_body)  # as the EPP does
                     await context.write(r)
                 elif kind == "response_body":
                     await context.write(
