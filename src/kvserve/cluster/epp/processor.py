@@ -17,14 +17,18 @@ the body modes Envoy announces in ``protocol_config``:
 
 The pick is the ordered fallback list ``ip:port,...`` in the request header
 ``x-gateway-destination-endpoint`` and in the dynamic metadata ``envoy.lb`` (the same value).
-Errors are immediate responses with an OpenAI-style body: 400 (bad JSON), 404 (unknown
-model), 413 (body over the limit), 429 (every candidate at its limit: shed), 503 (no ready
-endpoint, or none in the gateway's subset hint).
+When the first endpoint has its own API key, the request carries that key instead of the
+client's (checked first against the router's keys, as the HTTP router does). Errors are
+immediate responses with an OpenAI-style body: 400 (bad JSON), 401 (no valid key), 404
+(unknown model), 413 (body over the limit), 429 (every candidate at its limit: shed), 503
+(no ready endpoint, or none in the gateway's subset hint).
 
 The response path teaches the scheduling core where the request was served: the metadata
 ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` when the gateway reports it, else
 the ``upstream.address`` attribute. The picked endpoint's in-flight count moves there, and is
-released at the end of the response or when the stream ends or breaks, whichever is first.
+released at the end of the response (an event stream's last chunk; for an answer with a
+length, its headers: the engine has finished, and Envoy is asked to skip its body) or when
+the stream ends or breaks, whichever is first.
 """
 
 from __future__ import annotations
