@@ -39,6 +39,18 @@ SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 _REPO = Path(__file__).resolve().parents[3]
 _TOOLS_BINARY = _REPO / ".tools" / "envoy" / "envoy" / "_bin" / "envoy"
 _BUFFER_LIMIT = 16 << 20  # a 1 MB prompt passes whatever the body mode
+# Envoy's default circuit breakers allow 1,024 requests per cluster: one ext_proc stream per
+# request in flight (long generations included) would hit that long before the engines do.
+_CIRCUIT_BREAKERS = {
+    "thresholds": [
+        {
+            "max_connections": 1_000_000,
+            "max_pending_requests": 1_000_000,
+            "max_requests": 1_000_000,
+            "max_retries": 1_000,
+        }
+    ]
+}
 
 
 def find_envoy() -> str | None:
@@ -81,6 +93,7 @@ def _static_cluster(name: str, host: str, port: int, http2: bool = False) -> dic
         "type": "STATIC",
         "connect_timeout": "2s",
         "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
+        "circuit_breakers": _CIRCUIT_BREAKERS,
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
@@ -198,6 +211,7 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
         "lb_policy": "CLUSTER_PROVIDED",
         "connect_timeout": "2s",
         "per_connection_buffer_limit_bytes": _BUFFER_LIMIT,
+        "circuit_breakers": _CIRCUIT_BREAKERS,
         "original_dst_lb_config": {
             "use_http_header": True,
             "http_header_name": DESTINATION_HEADER,
