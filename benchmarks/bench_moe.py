@@ -41,8 +41,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
+# Idle OpenMP threads sleep instead of spinning: on a shared machine spinning threads of the
+# 2-thread baseline made it ~10x slower than one thread (set before torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 
 from kvserve.bench.machine import describe_machine, machine_markdown
 
@@ -76,12 +80,14 @@ def _params(max_tokens: int) -> Any:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def run_single(model_dir: str, prompts: list[list[int]], max_tokens: int, warm: list[int]) -> dict:
-    """One process on every core of this machine (2 threads)."""
+def run_single(
+    model_dir: str, prompts: list[list[int]], max_tokens: int, warm: list[int], threads: int
+) -> dict:
+    """One process, ``threads`` torch threads (2: every core of this machine)."""
     from kvserve.engine.engine import LLMEngine
 
-    torch.set_num_threads(2)
-    engine = LLMEngine(engine_config(model_dir, 2, len(prompts)))
+    torch.set_num_threads(threads)
+    engine = LLMEngine(engine_config(model_dir, threads, len(prompts)))
     engine.add_request("warm", warm, _params(4))
     while engine.has_unfinished_requests():
         engine.step()
@@ -339,7 +345,7 @@ def sim_summary(data: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small-moe")
-    ap.add_argument("--model-dir", help="default: the preset, made under benchmarks/.cache")
+    ap.add_argument("--model-dir", help="default: the preset, made under .kvserve/models")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
@@ -352,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--stem", default="moe")
+    ap.add_argument("--report-only", metavar="JSON", help="rewrite the report of a recorded run")
     args = ap.parse_args(argv)
+    if args.report_only:
+        path = Path(args.report_only)
+        path.with_suffix(".md").write_text(report(json.loads(path.read_text())))
+        return 0
     if args.quick:
         args.preset = "tiny-moe" if args.model_dir is None else args.preset
         args.num_prompts, args.prompt_len, args.output_len, args.repeats = 4, 32, 4, 1
@@ -364,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     if model_dir is None:
         from kvserve.model.presets import make_model
 
-        cache = REPO / "benchmarks" / ".cache" / args.preset
+        cache = REPO / ".kvserve" / "models" / args.preset
         if not (cache / "config.json").is_file():
             make_model(cache, preset=args.preset)
         model_dir = str(cache)
@@ -375,13 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.num_prompts, args.prompt_len, mc.vocab_size, seed=1)
     warm = make_prompts(1, 16, mc.vocab_size, seed=99)[0]
     sizes = [int(s) for s in args.micro_sizes.split(",") if s]
-    runs: dict[str, list[dict]] = {"single": [], "ep": [], "dp": []}
+    runs: dict[str, list[dict]] = {"single": [], "single1": [], "ep": [], "dp": []}
     loads = []
     for rep in range(args.repeats):
-        for mode in ("single", "ep", "dp"):
+        for mode in runs:
             loads.append(os.getloadavg()[0])
-            if mode == "single":
-                r = run_single(model_dir, prompts, args.output_len, warm)
+            if mode.startswith("single"):
+                threads = 1 if mode == "single1" else 2
+                r = run_single(model_dir, prompts, args.output_len, warm, threads)
             else:
                 r = run_ranks(
                     mode, model_dir, prompts, args.output_len, warm, sizes if rep == 0 else []
@@ -435,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
             "repeats": args.repeats,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         },
         "wall_s": {m: [r["wall_s"] for r in rs] for m, rs in runs.items()},
         "throughput_tok_s": thr,
@@ -460,7 +473,8 @@ def report(r: dict) -> str:
         f"Model: {c['model']} ({c['layers']} layers, hidden {c['hidden']}, {c['num_experts']} "
         f"experts, top-{c['top_k']}, fp32). Workload: {c['num_prompts']} prompts x "
         f"{c['prompt_len']} tokens, {c['output_len']} greedy output tokens each, offline; "
-        f"best of {c['repeats']} interleaved runs per setup.",
+        f"best of {c['repeats']} interleaved runs per setup; "
+        f"OMP_WAIT_POLICY={c.get('omp_wait_policy')}.",
         "",
         "Machine:",
         "",
@@ -473,11 +487,12 @@ def report(r: dict) -> str:
         "|---|---|---|---|---|",
     ]
     names = {
-        "single": "one process, 2 cores",
+        "single": "one process, 2 cores (2 threads)",
+        "single1": "one process, 1 thread (reference)",
         "ep": "EP=2, 1 core each (experts sharded)",
         "dp": "DP=2 replicas, 1 core each (all experts each)",
     }
-    for m in ("single", "ep", "dp"):
+    for m in names:
         walls = ", ".join(f"{w:.2f}" for w in r["wall_s"][m])
         lines.append(
             f"| {names[m]} | {walls} | {thr[m]:.0f} | {thr[m] / thr['single']:.2f}x | "
@@ -532,7 +547,42 @@ def report(r: dict) -> str:
             f"DP-rank-aware vs rank-blind: TTFT p90 {t['rank-blind'] / t['rank-aware']:.1f}x "
             f"better, throughput {q['rank-aware'] / q['rank-blind']:.2f}x.",
         ]
+    lines += ["", NOTES]
     return "\n".join(lines) + "\n"
+
+
+NOTES = """## Notes
+
+- **Outputs.** Greedy tokens of EP=2 and of the replicas are compared with the one-process
+  run token for token (column "outputs identical"); tests/engine/test_data_parallel.py checks
+  the same through the server, and against transformers.
+- **Which collective.** gloo implements `all_to_all_single` with uneven splits (and empty
+  ones), so dispatch and combine are real all-to-alls: per MoE layer one exchange of
+  per-expert counts (E int64), then the routed rows out and the computed rows back. Rows go
+  sorted by expert, so a receiver regroups them by its local experts without expert ids on
+  the wire. The all-gather + reduce-scatter alternative would move every token to every rank
+  (N times the bytes at top-k much smaller than N); not needed.
+- **Lockstep.** Each step begins with one `all_reduce(MAX)` of "I have requests": all ranks
+  then step, and a rank without work runs every MoE layer's collectives with zero rows (the
+  "dummy steps" column). When no rank has work the ranks poll with a backoff up to 10 ms: an
+  idle group costs about one small all-reduce per 10 ms per rank. vLLM uses a coordinator
+  process and request waves instead; the all-reduce needs no extra process and its cost is
+  inside "rest" above.
+- **Where the time goes on CPU.** Dispatch includes waiting for the slower rank to reach the
+  layer (the ranks' batches differ), so it is load imbalance as much as transfer; the
+  transfers themselves are small (hidden x 4 bytes per routed row) and the per-call latency
+  of gloo over loopback (~1-3 ms for 3 collectives, section 2) dominates at decode batch
+  sizes. Two ranks on two cores also lose what 2 torch threads gain on one GEMM.
+- **Redundant or rebalanced experts, what it would take.** Placement is one function
+  (`ExpertParallelGroup.expert_range`) and the loader asks the model which HF tensors it
+  needs, so: (1) a placement table per layer, logical expert -> physical slots on ranks
+  (replicas of hot experts), used by the loader; (2) the dispatcher picks a replica per
+  routed row (e.g. the least loaded by the count exchange it already does, which becomes
+  per physical slot); (3) rebalancing from the `kvserve:moe_expert_tokens_total` counters
+  (EPLB-style greedy packing), moving expert weights between ranks with the same
+  all-to-all at a step boundary all ranks agree on (one more bit in the lockstep
+  all-reduce).
+"""
 
 
 if __name__ == "__main__":
