@@ -209,16 +209,17 @@ def _stream(url: str, body: dict) -> tuple[list[bytes], int]:
 
 
 def test_streaming_arrives_token_by_token(stack):
+    """Every event of an engine's stream through Envoy (that each is relayed as it comes,
+    not gathered, is checked on a slow stream below: a tiny engine's events can coalesce in
+    one read of a client slower than the engine)."""
     _, _, envoy = stack
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 24, "stream": True}
     body.update(temperature=0, ignore_eos=True, stream_options={"include_usage": True})
     events, reads = _stream(envoy.url, body)
     assert events[-1] == b"data: [DONE]"
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 24
-    # An event per step (a loaded engine merges the tokens of steps its stream lagged on);
-    # relayed as they came, not gathered by Envoy or the EPP into a few writes.
-    assert len(events) >= 6
-    assert reads >= len(events) // 2, "the stream was held back, not relayed as it came"
+    # An event per step (a loaded engine merges the tokens of steps its stream lagged on).
+    assert len(events) >= 6 and reads >= 1
 
 
 def test_a_1mb_body_passes_intact(stack):
@@ -303,7 +304,10 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path)
                     )
                     assert r.status_code == 200
                     readers.append(r.iter_raw())
-                    next(readers[-1])  # the first event: it runs
+                    t0 = time.monotonic()
+                    assert next(readers[-1]).startswith(b"data: ")  # 200 events, one per 50 ms
+                    assert time.monotonic() - t0 < 5  # not held until the stream's end (10 s)
+                # Both still run (10 s each): the first events were relayed as they came.
                 assert in_flight() == [1, 1]  # one on each (the first is at its limit)
                 r = _complete(envoy.url, {"model": "m", "prompt": "x", "max_tokens": 2})
                 assert r.status_code == 429
