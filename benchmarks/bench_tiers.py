@@ -720,17 +720,18 @@ def set_process_policy(pid: int, policy: int) -> None:
 
 class WriterVariant:
     """How the storage writers run in one "on" run of measurement 4: ``+``-joined settings,
-    ``idle`` / ``nice`` (the writer threads' scheduling: ``SCHED_IDLE``, the default, or nice
-    19), ``gap`` (writes paused while the engine computes a step, resumed between steps; what
-    a connector that signals step boundaries would do), ``duty=F`` (writers held to a duty
-    cycle F), ``srvidle`` (the local Valkey server's threads under ``SCHED_IDLE`` too: a
-    deployment choice for a server sharing the engine's cores)."""
+    ``idle`` / ``nice`` / ``normal`` (the writer threads' scheduling: ``SCHED_IDLE``, the
+    default, nice 19, or as the engine's threads), ``gap`` (writes paused while the engine
+    computes a step, resumed between steps; what a connector that signals step boundaries
+    would do), ``duty=F`` (writers held to a duty cycle F), ``srvidle`` (the local Valkey
+    server's threads under ``SCHED_IDLE`` too: a deployment choice for a server sharing the
+    engine's cores)."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.policy, self.gap, self.duty, self.server_idle = "idle", False, 1.0, False
         for part in spec.split("+"):
-            if part in ("idle", "nice"):
+            if part in ("idle", "nice", "normal"):
                 self.policy = part
             elif part == "gap":
                 self.gap = True
@@ -1045,7 +1046,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument(
         "--decode-variants", nargs="+", default=["idle"],
         help="writer settings of 4's runs with tiers (first: the headline), each against the "
-        "same detached runs: +-joined idle|nice, gap, duty=F (see WriterVariant)",
+        "same detached runs: +-joined idle|nice|normal, gap, duty=F, srvidle (WriterVariant)",
     )  # fmt: skip
     ap.add_argument(
         "--heavy-mb-s", type=float, default=100.0,
@@ -1060,6 +1061,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--out", default=None, help="results basename (default tiers_<preset>)")
     args = ap.parse_args(argv)
+    for v in args.decode_variants:
+        WriterVariant(v)  # a typo fails now, not after the set-up
     if args.quick:
         args.preset = "tiny"
         args.ttft_len, args.reps, args.cross_reps = 1024, 1, 1

@@ -169,3 +169,10 @@ def test_duty_cycle_spaces_the_writes(tiers, make_worker) -> None:
     wall = time.perf_counter() - t0
     busy = disk.stats.write_s  # the puts alone (the worker's own measure includes the header)
     assert wall >= busy + 3 * busy * 7 / 8 * 0.9, (wall, busy)
+
+
+def test_bad_settings_are_refused(tiers) -> None:
+    with pytest.raises(ValueError, match="writer_policy"):
+        StorageWorker(tiers[:1], writer_policy="fast")
+    with pytest.raises(ValueError, match="write_duty"):
+        StorageWorker(tiers[:1], write_duty=0.0)

@@ -41,7 +41,12 @@ def lower_thread_priority(policy: str = "idle") -> None:
     forward pass. ``idle``: the calling thread runs under ``SCHED_IDLE`` (Linux schedules
     threads individually): it runs on cores nothing else wants and never preempts the engine's
     threads when it wakes (a nice-19 thread still does, stalling torch's OpenMP team at its
-    next barrier); where that is refused, or with ``nice``, the thread is niced to 19."""
+    next barrier); where that is refused, or with ``nice``, the thread is niced to 19;
+    ``normal`` leaves it as it is."""
+    if policy not in ("idle", "nice", "normal"):
+        raise ValueError(f"thread priority policy must be idle, nice or normal, got {policy!r}")
+    if policy == "normal":
+        return
     if policy == "idle":
         with contextlib.suppress(AttributeError, OSError):
             os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))

@@ -20,7 +20,7 @@ hand-off between pools). Writes go in batches of ``write_batch`` chunks, each ba
 tier in turn; each chunk's header (its full-content hash) is made once for all tiers. The
 writer threads run under ``SCHED_IDLE`` (on cores the engine leaves idle), may be held to a
 duty cycle (``write_duty``) and paused while the engine computes a step (:meth:`pause_writes`
-/ :meth:`resume_writes`, between two batches).
+/ :meth:`resume_writes`: checked before each batch and each tier's part of it).
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ from dataclasses import dataclass, field
 from kvserve.kv.backends.storage import StorageBackend, lower_thread_priority
 
 logger = logging.getLogger(__name__)
+
+# Longest a paused writer waits: a long step (a big prefill) or a pause never resumed must
+# not hold the cascade back for good.
+PAUSE_BOUND_S = 1.0
+# Writer threads' scheduling (storage.lower_thread_priority): SCHED_IDLE, nice 19, unchanged.
+WRITER_POLICIES = ("idle", "nice", "normal")
 
 
 @dataclass
@@ -78,6 +84,10 @@ class StorageWorker:
     ) -> None:
         if not tiers:
             raise ValueError("the storage worker needs at least one tier")
+        if writer_policy not in WRITER_POLICIES:
+            raise ValueError(
+                f"writer_policy must be one of {WRITER_POLICIES}, got {writer_policy!r}"
+            )
         if not 0.0 < write_duty <= 1.0:
             raise ValueError(f"write_duty must be in (0, 1], got {write_duty!r}")
         self.tiers = list(tiers)
@@ -221,8 +231,7 @@ class StorageWorker:
 
     def _paced(self) -> None:
         """Wait for the gate and the duty cycle before writing a chunk (writer threads)."""
-        # Bounded: a step that never ends (or a gate never reopened) must not lose writes.
-        self._gate.wait(1.0)
+        self._gate.wait(PAUSE_BOUND_S)
         if self.write_duty < 1.0:
             with self._pace:
                 wait = self._write_at - time.perf_counter()
@@ -290,6 +299,8 @@ class StorageWorker:
                 codec.header(keys[i], payloads[i]) for i in range(lo, hi)
             ]  # fmt: skip
             for t, tier in enumerate(self.tiers):
+                if t:
+                    self._gate.wait(PAUSE_BOUND_S)  # paused meanwhile: the next tier waits
                 res = tier.put(keys[lo:hi], payloads[lo:hi], headers)
                 for i, r in zip(range(lo, hi), res, strict=True):
                     if r:
