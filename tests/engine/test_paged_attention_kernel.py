@@ -250,3 +250,14 @@ def test_kernel_shares_torchs_openmp_runtime():
     maps = Path("/proc/self/maps").read_text().splitlines()
     gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) <= 1, gomp
+
+
+def test_token_count_mismatch_raises():
+    """The kernel reads as many K/V rows as the metadata has slots: a shorter k is refused."""
+    cache = torch.zeros(4, 1, 2, 4, 2, 16)
+    meta = AttentionMetadata.build(
+        block_size=4, query_lens=[3], num_computed=[0], block_tables=[[1]]
+    )
+    q, kv = torch.randn(3, 2, 16), torch.randn(2, 2, 16)
+    with pytest.raises(ValueError, match="number of tokens"):
+        NativeAttentionBackend().forward(q, kv, kv, cache[:, 0], meta, 0.25)

@@ -17,6 +17,9 @@
  * (the largest) first. Each item walks its context in chunks of CHUNK tokens with an online
  * (flash-style) softmax: running max and sum per row, accumulator rescaled per chunk; the
  * next chunk's rows are prefetched (blocks are scattered, hardware prefetchers lose track).
+ * Decode rows compute each score as a dot product (G rows share each K row load); prefill
+ * tiles put their up to 64 rows in the vector lanes instead (broadcast-FMA over transposed
+ * queries), so a tile rereads its context once per 64 rows with no cross-lane reductions.
  *
  * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
  * rounded to nearest even. The per-item function is compiled for AVX-512, AVX2+FMA and the
@@ -42,7 +45,7 @@
 #endif
 #define PA_INLINE static inline __attribute__((always_inline))
 
-#define TILE_ROWS 32 /* query rows (queries x grouped heads) per work item */
+#define TILE_ROWS 64 /* query rows (queries x grouped heads) per work item */
 #define CHUNK 32     /* context tokens per online-softmax step */
 #define MAX_HEAD_DIM 512
 #define VMAX_ROWS 4 /* rows per register-resident group (vector path) */
@@ -239,16 +242,16 @@ PA_INLINE void pv_rows(float *restrict acc, const float *restrict P, int64_t rs,
 
 /* Scores of TB keys against all rows of a tile, the rows in the lanes: St[t][m] =
  * sum_i K[t][i] Qt[i][m], one broadcast K element times a row vector of Qt per step (no
- * reduction across lanes). MV: 16-row vectors per tile (1 or 2). */
+ * reduction across lanes). MV: 16-row vectors per tile (1-4). */
 PA_INLINE void scores_tr(const float *restrict Qt, const float *const *kp, float *restrict St,
                          const int TB, const int MV, const int D)
 {
-    vf s[4][2];
+    vf s[4][4];
     for (int tb = 0; tb < TB; tb++)
         for (int v = 0; v < MV; v++)
             s[tb][v] = (vf){0};
     for (int i = 0; i < D; i++) {
-        vf q[2];
+        vf q[4];
         for (int v = 0; v < MV; v++)
             q[v] = vload(Qt + i * TILE_ROWS + 16 * v);
         for (int tb = 0; tb < TB; tb++) {
@@ -272,16 +275,19 @@ PA_INLINE void tile_transposed(const float *restrict Qt, float *restrict acc,
 {
     const int D = ND * 16;
     int64_t t = 0;
-    if (M > 16) {
-        for (; t + 4 <= n; t += 4)
-            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 4, 2, D);
-        for (; t < n; t++)
-            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, 2, D);
-    } else {
-        for (; t + 4 <= n; t += 4)
-            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 4, 1, D);
-        for (; t < n; t++)
-            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, 1, D);
+    switch ((M + 15) / 16) { /* constant vector count: accumulators in registers */
+#define PA_SCORES(mv)                                                                         \
+    case mv:                                                                                  \
+        for (; t + 4 <= n; t += 4)                                                            \
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 4, mv, D);                              \
+        for (; t < n; t++)                                                                    \
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, mv, D);                              \
+        break;
+        PA_SCORES(1)
+        PA_SCORES(2)
+        PA_SCORES(3)
+        PA_SCORES(4)
+#undef PA_SCORES
     }
     for (int64_t m = 0; m < M; m++) /* causal mask: only the diagonal chunk has any */
         for (int64_t u = nv[m] < 0 ? 0 : nv[m]; u < n; u++)

@@ -107,8 +107,10 @@ class NativeAttentionBackend:
         ``meta.slot_mapping`` and returns the attention output ``[T, H_q, D]``."""
         if not self.supports(q, k, v, kv_layer):
             return self.fallback.forward(q, k, v, kv_layer, meta, scale)
-        reqs, tables = _step_plan(meta)
         slots = meta.slot_mapping
+        if not q.shape[0] == k.shape[0] == v.shape[0] == slots.numel() == meta.num_tokens:
+            raise ValueError("q, k, v and the metadata disagree on the number of tokens")
+        reqs, tables = _step_plan(meta)
         out = torch.empty(q.shape, dtype=q.dtype)
         num_blocks, _, block_size, h_kv, d = kv_layer.shape
         _native.attend(
