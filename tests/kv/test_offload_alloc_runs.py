@@ -83,8 +83,14 @@ def test_engine_transfer_jobs_copy_long_runs(tiny_model_dir) -> None:
         worker = llm.engine.connector.worker
         tier = llm.engine.connector.tier
         jobs = []
-        real_submit = worker.submit
-        worker.submit = lambda job: (jobs.append(job), real_submit(job))[1]
+        real_submit = worker.submit_many
+
+        def submit_many(batch):
+            batch = list(batch)
+            jobs.extend(batch)
+            real_submit(batch)
+
+        worker.submit_many = submit_many
         rng = random.Random(1)
         prompts = [[rng.randrange(10, 2000) for _ in range(1000)] for _ in range(8)]
         sp = SamplingParams(max_tokens=1, temperature=0.0)

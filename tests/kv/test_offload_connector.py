@@ -83,7 +83,7 @@ class Harness:
         conn = create_connector(self.config)
         assert isinstance(conn, OffloadingConnector)
         conn.register_kv_caches(self.kv)
-        assert conn.tier.num_slots == offload_chunks
+        assert conn.tier.num_slots + conn.tier.num_spare == offload_chunks
         self.conn = conn
         self.sched = Scheduler(self.config, self.kvm, conn)
         self.done: dict[str, Request] = {}
@@ -427,9 +427,10 @@ def test_storage_hit_waits_for_host_slots_pinned_by_loads(tmp_path) -> None:
     request's load, the lookup asks again once they free up instead of missing."""
     rng = random.Random(12)
     h = Harness(
-        num_blocks=64, offload_chunks=4, max_num_seqs=4, max_num_batched_tokens=64,
+        num_blocks=64, offload_chunks=5, max_num_seqs=4, max_num_batched_tokens=64,
         kv_tier=[f"disk:path={tmp_path},size=1MiB,o_direct=false"],
     )  # fmt: skip
+    assert h.conn.tier.num_slots == 4  # and a spill slot
     a, b = prompt(rng, 18), prompt(rng, 18)
     for rid, p in [("b0", b), ("a0", a)]:  # b's chunks reach disk, then a's fill the host
         h.add(rid, p, 1)
@@ -470,4 +471,24 @@ def test_cascade_write_that_failed_is_retried(redis_server_factory) -> None:
     h.add("r1", p + [1], 1)
     h.run()
     assert h.done["r1"].num_external_computed_tokens == 16
+    h.conn.shutdown()
+
+
+def test_chunks_the_host_tier_has_no_room_for_still_reach_storage(tmp_path) -> None:
+    """A prompt of more chunks than the host tier holds: the chunks it rejects are copied to
+    spill slots and written to the storage tier all the same."""
+    rng = random.Random(14)
+    h = Harness(
+        num_blocks=64, offload_chunks=20, max_num_seqs=4, max_num_batched_tokens=128,
+        kv_tier=[f"disk:path={tmp_path},size=1MiB,o_direct=false"],
+    )  # fmt: skip
+    assert h.conn.tier.num_slots == 18  # 2 spill slots
+    req = h.add("r0", prompt(rng, 82), 1)  # 20 chunks in one step: 18 fit in the host tier
+    h.run()
+    h.settle()
+    keys = [req.block_hashes[i] for i in range(20)]
+    assert h.conn.manager.lookup(keys[:18]) == 18 and h.conn.manager.lookup(keys[18:]) == 0
+    assert h.conn.tiers[0].exists(keys) == 20
+    assert h.conn.stats().extra["tier_spilled_chunks"] == 2
+    assert not h.conn._spills and len(h.conn._spill_free) == 2
     h.conn.shutdown()

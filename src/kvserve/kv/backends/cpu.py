@@ -1,7 +1,8 @@
 """The host-memory tier: one tensor of chunk slots, allocated once at exactly the asked size.
 
 Owns the slot storage tensor, per-slot headers (key + checksum; layout and model are fixed
-for the whole tier) and pinning. ``size_bytes // chunk_bytes`` slots are allocated (and their
+for the whole tier) and pinning; ``spare_slots`` of the size are kept out of allocation for
+the caller's own use. ``size_bytes // chunk_bytes`` slots are allocated (and their
 pages faulted in) up front, with no rounding; on CUDA the memory is pinned in place
 (``cudaHostRegister``) rather than through the caching host allocator, which rounds requests up
 to a power of two.
@@ -48,16 +49,18 @@ class CpuBackend(Backend):
         *,
         pin_memory: bool | None = None,
         model: str = "",
+        spare_slots: int = 0,
     ) -> None:
         chunk_bytes = layout.chunk_bytes
-        num_slots = int(size_bytes) // chunk_bytes
+        total_slots = int(size_bytes) // chunk_bytes
+        num_slots = total_slots - spare_slots
         if num_slots < 1:
             raise ValueError(
                 f"KV offload size {int(size_bytes)} bytes ({_fmt_gib(int(size_bytes))}) is smaller "
                 f"than one offload chunk ({chunk_bytes} bytes = {layout.blocks_per_chunk} blocks "
                 f"of {layout.block_bytes} bytes); raise kv_offload_size"
             )
-        nbytes = num_slots * chunk_bytes
+        nbytes = total_slots * chunk_bytes
         avail = _mem_available()
         if avail is not None and nbytes > avail:
             raise MemoryError(
@@ -76,7 +79,7 @@ class CpuBackend(Backend):
         blocks = (
             torch.frombuffer(self._mem, dtype=torch.uint8)
             .view(layout.torch_dtype)
-            .view(num_slots * k, *layout.block_shape)
+            .view(total_slots * k, *layout.block_shape)
         )
         # Fault every page in now (~0.5 s/GiB): the memory is really held from the start, and
         # page faults do not land on the transfer thread, where they cost 3x the copy and take a
@@ -90,11 +93,15 @@ class CpuBackend(Backend):
             self.pinned = True
         super().__init__(layout, num_slots)
         self.model = model
-        # [num_slots * blocks_per_chunk, *block_shape]: slot s holds blocks s*k .. s*k+k-1.
+        # Slots num_slots .. num_slots + num_spare - 1 are never allocated: the connector's
+        # own (a chunk the tier has no room for, staged there on its way to a storage tier).
+        self.num_spare = spare_slots
+        # [(num_slots + num_spare) * blocks_per_chunk, *block_shape]: slot s holds blocks
+        # s*k .. s*k+k-1.
         self.blocks = blocks
-        self.slots_u8 = blocks.view(num_slots, -1).view(torch.uint8)
-        self._keys: list[bytes | None] = [None] * num_slots
-        self._checksums = [0] * num_slots
+        self.slots_u8 = blocks.view(total_slots, -1).view(torch.uint8)
+        self._keys: list[bytes | None] = [None] * total_slots
+        self._checksums = [0] * total_slots
         self._k = k  # blocks per chunk: each one is sampled by the checksum
 
     @property

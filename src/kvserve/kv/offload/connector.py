@@ -43,6 +43,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,9 @@ logger = logging.getLogger(__name__)
 
 # A cascade write that reached no storage tier is retried once, this long after it ended.
 WRITE_RETRY_DELAY_S = 1.0
+# Most host slots kept for chunks on their way to the storage tiers that the host tier had
+# no room for (an eighth of the host tier at most).
+MAX_SPILL_SLOTS = 32
 
 
 @dataclass
@@ -177,6 +181,7 @@ class OffloadingConnector(KVConnectorBase):
             "tier_loaded_chunks": 0, "tier_failed_chunks": 0, "tier_lookup_timeouts": 0,
             "dropped_store_chunks": 0, "tier_staging_timeouts": 0,
             "tier_write_retried_chunks": 0, "tier_write_failed_chunks": 0,
+            "tier_spilled_chunks": 0, "tier_spill_dropped_chunks": 0,
         }  # fmt: skip
         # Storage tiers below the host tier (created with it, in register_kv_caches).
         self.tier_specs = load_tier_specs(config.kv_tier, config.kv_tiers_config)
@@ -194,6 +199,11 @@ class OffloadingConnector(KVConnectorBase):
         # Chunks that reached no storage tier, still pinned, retried once at the given time.
         self._write_retries: deque[tuple[float, list[bytes]]] = deque()
         self.write_retry_delay_s = WRITE_RETRY_DELAY_S
+        # Spill slots (host memory outside the host tier's allocation) free, in use by key
+        # (slot, event metadata), and spill writes in flight (op -> keys).
+        self._spill_free: list[int] = []
+        self._spills: dict[bytes, tuple[int, ChunkMeta | None]] = {}
+        self._spill_ops: dict[int, list[bytes]] = {}
         self._reads_to_start: list[tuple[int, list[ReadItem]]] = []
         self._events: list[AnyKVEvent] = []
         # Block hashes of chunks in private storage tiers (for BlockRemoved on eviction).
@@ -208,8 +218,13 @@ class OffloadingConnector(KVConnectorBase):
         fingerprint = fingerprint_model_dir(
             self.config.model or "", self.config.prefix_hash_seed, layout.describe()
         )
-        tier = create_backend("cpu", layout, self.size_bytes, model=fingerprint)
+        # With storage tiers, a few slots are kept out of the host tier's allocation: a chunk
+        # the host tier has no room for is copied there, written to the storage tiers, freed.
+        total = self.size_bytes // layout.chunk_bytes
+        spare = max(1, min(MAX_SPILL_SLOTS, total // 8)) if self.tier_specs and total > 1 else 0
+        tier = create_backend("cpu", layout, self.size_bytes, model=fingerprint, spare_slots=spare)
         self.tier = tier
+        self._spill_free = list(range(tier.num_slots, tier.num_slots + spare))
         self.manager = OffloadingManager(
             tier, self.policy_name, block_size=self.block_size, emit_events=self.emit_events
         )
@@ -491,20 +506,40 @@ class OffloadingConnector(KVConnectorBase):
         metas = (
             [self._chunk_meta(request, i) for i in range(first, end)] if self.emit_events else None
         )
-        out = self._mgr().prepare_store(keys, metas)
-        if out is None or not out.keys_to_store:
-            return False
+        mgr = self._mgr()
+        out = mgr.prepare_store(keys, metas)
         block_ids = scheduler_output.block_ids[rid]
-        if len(out.keys_to_store) == len(keys):  # the usual case: every chunk is new
-            chunk_ids = range(first, end)
+        n = len(chunks)
+        if out is not None and len(out.keys_to_store) == len(keys):  # the usual case
+            chunk_ids: Sequence[int] = range(first, end)
         else:
             index = {key: first + j for j, key in enumerate(keys)}
-            chunk_ids = [index[key] for key in out.keys_to_store]
-        chunks.extend(
-            ChunkCopy(slot, key, block_ids[i * k : (i + 1) * k])
-            for i, key, slot in zip(chunk_ids, out.keys_to_store, out.slots, strict=True)
-        )
-        return True
+            chunk_ids = [index[key] for key in out.keys_to_store] if out is not None else []
+            if self.storage is not None:  # no room in the host tier: on to storage anyway
+                for key in keys:
+                    if mgr.slot_of(key) is None and key not in self._spills:
+                        i = index[key]
+                        meta = metas[i - first] if metas is not None else None
+                        self._spill(key, meta, block_ids[i * k : (i + 1) * k], chunks)
+        if out is not None:
+            chunks.extend(
+                ChunkCopy(slot, key, block_ids[i * k : (i + 1) * k])
+                for i, key, slot in zip(chunk_ids, out.keys_to_store, out.slots, strict=True)
+            )
+        return len(chunks) > n
+
+    def _spill(
+        self, key: bytes, meta: ChunkMeta | None, block_ids: list[int], chunks: list[ChunkCopy]
+    ) -> None:
+        """A chunk the host tier had no room for: copy it to a spill slot, from where it is
+        written to the storage tiers (dropped, counted, when every spill slot is in use)."""
+        if not self._spill_free:
+            self._counts["tier_spill_dropped_chunks"] += 1
+            return
+        slot = self._spill_free.pop()
+        self._spills[key] = (slot, meta)
+        self._counts["tier_spilled_chunks"] += 1
+        chunks.append(ChunkCopy(slot, key, block_ids))
 
     def _chunk_meta(self, request: Request, i: int) -> ChunkMeta:
         k, bs = self.blocks_per_chunk, self.block_size
@@ -685,8 +720,13 @@ class OffloadingConnector(KVConnectorBase):
             keys = [c.key for c in job.chunks]
             if job.is_store:
                 self._store_chunks_pending -= len(keys)
+                if self._spills:
+                    spilled = [c.key for c in job.chunks if c.slot >= self.tier.num_slots]
+                    if spilled:
+                        keys = [c.key for c in job.chunks if c.slot < self.tier.num_slots]
+                        self._write_spilled(spilled, res.ok)
                 mgr.complete_store(keys, success=res.ok)
-                if res.ok and self.storage is not None:
+                if res.ok and self.storage is not None and keys:
                     self._cascade(keys)
                 self._stats.store_bytes += res.nbytes
                 self._stats.store_time_s += res.seconds
@@ -729,7 +769,26 @@ class OffloadingConnector(KVConnectorBase):
 
     # ================================ storage tiers =====================================
     def has_pending_work(self) -> bool:
-        return bool(self._write_ops) or bool(self._write_retries)
+        return bool(self._write_ops) or bool(self._write_retries) or bool(self._spill_ops)
+
+    def _write_spilled(self, keys: list[bytes], copied: bool) -> None:
+        """Spilled chunks were copied to their spill slots: write them to the storage tiers
+        (not retried: spills happen under pressure), then free the slots."""
+        assert self.storage is not None
+        slot_u8 = self.tier.slots_u8
+        op = None
+        if copied:
+            payloads = [memoryview(slot_u8[self._spills[k][0]].numpy()) for k in keys]
+            op = self.storage.write(keys, payloads)
+        if op is None:
+            self._free_spills(keys)
+        else:
+            self._spill_ops[op] = keys
+
+    def _free_spills(self, keys: list[bytes]) -> None:
+        for key in keys:
+            slot, _ = self._spills.pop(key)
+            self._spill_free.append(slot)
 
     def _cascade(self, keys: list[bytes]) -> None:
         """Chunks just stored in the host tier: write them to every storage tier. Their host
@@ -766,6 +825,12 @@ class OffloadingConnector(KVConnectorBase):
             tl = self._tier_lookups.get(rid) if rid is not None else None
             if tl is not None and tl.op_id == res.op_id:
                 tl.sources = res.sources
+        elif res.kind == "write" and res.op_id in self._spill_ops:
+            keys = self._spill_ops.pop(res.op_id)
+            if self.emit_events:
+                for t, stored in res.stored.items():
+                    self._emit_tier_stored(t, [self._spills[k][1] for k in stored], stored)
+            self._free_spills(keys)
         elif res.kind == "write":
             keys, attempt = self._write_ops.pop(res.op_id, ([], 0))
             mgr = self._mgr()
