@@ -118,34 +118,50 @@ def test_health_services_serving_once_synced(stack):
 
 def test_readiness_waits_for_the_endpoint_view(tmp_path):
     """In process, real sockets: an endpoint that accepts but does not answer keeps the
-    first health round (and so readiness) pending; liveness is SERVING from the start."""
+    first health round (and so readiness) pending; liveness is SERVING from the start.
+    Once the endpoint drops its connections the round ends and readiness is SERVING."""
 
     async def run() -> None:
-        silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        held: list[asyncio.StreamWriter] = []
+        drop = False
+
+        def accept(_: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            if drop:
+                w.close()  # (a client may retry a GET on a new connection)
+            else:
+                held.append(w)
+
+        silent = await asyncio.start_server(accept, "127.0.0.1", 0)
         port = silent.sockets[0].getsockname()[1]
         cfg = RouterConfig(
             port=0,
             endpoints=[EndpointSpec(url=f"http://127.0.0.1:{port}", model="m")],
-            health=HealthConfig(timeout_s=3.0),
+            health=HealthConfig(timeout_s=120.0),
         )
         epp = EndpointPicker(Router(cfg), port=0)
         starting = asyncio.create_task(epp.start())
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if epp._server is not None and epp.port:
-                break
+        while not epp.port:
+            await asyncio.sleep(0.02)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
 
             async def status(s: str) -> int:
-                r = await stub.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)
+                req = health_pb2.HealthCheckRequest(service=s)
+                r = await stub.Check(req, timeout=30, wait_for_ready=True)
                 return r.status
 
             assert await status("liveness") == SERVING
             assert await status("readiness") == NOT_SERVING
             assert await status(EXT_PROC_SERVICE) == NOT_SERVING
-            await asyncio.wait_for(starting, 30)  # the check timed out: the view is synced
+            while not held:  # the health check's connection
+                await asyncio.sleep(0.02)
+            assert not starting.done()
+            drop = True
+            for w in held:
+                w.close()  # the check fails now: the view is synced (endpoint unhealthy)
+            await asyncio.wait_for(starting, 60)
             assert await status("readiness") == SERVING
+            assert await status(EXT_PROC_SERVICE) == SERVING
         await epp.stop()
         silent.close()
 
