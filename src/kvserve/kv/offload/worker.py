@@ -17,8 +17,8 @@ transfer thread verifies the chunks. A store copies on that one thread, in the g
 forward passes (the engine's single-threaded scheduling and output handling, where a core is
 free): the engine says when a forward begins and ends (:meth:`forward_begins`,
 :meth:`forward_ends`), and a store waits, piece by piece, while one runs, for at most
-``store_max_lag`` forward passes after it was submitted; past that, or when the engine waits
-for it (a flush, an idle engine), it copies at once. Its CPU time is counted apart when it ran
+``store_max_lag`` forward passes (or ``store_max_wait_s``) after it was submitted; past that,
+or when the engine waits for it (a flush, an idle engine), it copies at once. Its CPU time is counted apart when it ran
 during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
 On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
 compute stream (the forward that wrote its blocks), and completion is polled with
@@ -62,6 +62,7 @@ class TransferJob:
     is_store: bool
     chunks: list[ChunkCopy]
     submitted_forward: int = 0  # the CPU worker's forward-pass count at submission
+    submitted_at: float = 0.0  # time.monotonic() at submission (CPU worker)
 
     @property
     def num_blocks(self) -> int:
@@ -141,8 +142,10 @@ class CpuTransferWorker(TransferWorker):
     max_batch_blocks = 4096
     # Most threads a load copies with (host memory bandwidth is reached well before).
     max_copy_threads = 8
-    # Forward passes a store may wait for a gap between them; then it copies regardless.
+    # Forward passes a store may wait for a gap between them, and seconds (a forward pass
+    # that never ends: an engine that failed); then it copies regardless.
     store_max_lag = 4
+    store_max_wait_s = 2.0
     # A store copies in pieces of this many bytes, looking between them for a forward pass.
     store_piece_bytes = 1 << 20
 
@@ -173,8 +176,10 @@ class CpuTransferWorker(TransferWorker):
         with self._cond:
             if self._stop:
                 raise RuntimeError("transfer worker is shut down")
+            now = time.monotonic()
             for job in jobs:
                 job.submitted_forward = self._forwards
+                job.submitted_at = now
                 self._queued_loads += not job.is_store
                 self._inflight.add(job.job_id)
                 self._queue.append(job)
@@ -199,6 +204,7 @@ class CpuTransferWorker(TransferWorker):
             or self._urgent > 0
             or self._stop
             or self._forwards - job.submitted_forward > self.store_max_lag
+            or time.monotonic() - job.submitted_at > self.store_max_wait_s
         )
 
     def _hold_store(self, job: TransferJob) -> bool:
