@@ -444,8 +444,8 @@ def poll_until(worker, n: int, timeout: float = 10.0) -> list:
 
 def test_stores_wait_for_the_gap_between_forward_passes_and_loads_pass_them() -> None:
     """A store submitted during a forward pass copies once it ends; a load submitted after
-    it runs first; a store lagging more than ``store_max_lag`` passes, or waited for, copies
-    during a forward pass (and its CPU time is counted as such)."""
+    it runs first; a store lagging more than ``store_max_lag`` passes, waited for, or behind
+    too many pending store blocks copies during a forward pass (its CPU time counted so)."""
     kv = kv_cache(11)
     tier = tier_for(kv, 1, slots=8)
     tier.allocate_slots(8)
@@ -478,5 +478,9 @@ def test_stores_wait_for_the_gap_between_forward_passes_and_loads_pass_them() ->
         worker.submit(TransferJob(3, True, [ChunkCopy(2, b"s2", [3])]))  # still in forward
         worker.wait([3])  # a flush (preemption) does not wait for the gap
         assert [r.job_id for r in worker.poll()] == [3]
+
+        worker.store_max_pending_blocks = 1  # a backlog of stores does not wait either
+        worker.submit(TransferJob(4, True, [ChunkCopy(3, b"s3", [4]), ChunkCopy(4, b"s4", [5])]))
+        assert [r.job_id for r in poll_until(worker, 1)] == [4]
     finally:
         worker.shutdown()

@@ -230,6 +230,8 @@ class OffloadingConnector(KVConnectorBase):
         )
         self.worker = make_transfer_worker(kv_caches, tier)
         self.max_pending_store_chunks = max(1, kv_caches.shape[0] // (2 * self.blocks_per_chunk))
+        # Stores stop waiting for gaps between forward passes well before that bound.
+        self.worker.store_max_pending_blocks = kv_caches.shape[0] // 4
         if self.tier_specs:
             codec = ChunkCodec(fingerprint, layout.describe(), layout.chunk_bytes)
             self.tiers = [

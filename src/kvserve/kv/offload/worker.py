@@ -17,9 +17,10 @@ transfer thread verifies the chunks. A store copies on that one thread, in the g
 forward passes (the engine's single-threaded scheduling and output handling, where a core is
 free): the engine says when a forward begins and ends (:meth:`forward_begins`,
 :meth:`forward_ends`), and a store waits, piece by piece, while one runs, for at most
-``store_max_lag`` forward passes (or ``store_max_wait_s``) after it was submitted; past that,
-or when the engine waits for it (a flush, an idle engine), it copies at once. Its CPU time is counted apart when it ran
-during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
+``store_max_lag`` forward passes (or ``store_max_wait_s``) after it was submitted, and while
+fewer than ``store_max_pending_blocks`` store blocks are pending; past that, or when the
+engine waits for it (a flush, an idle engine), it copies at once. Its CPU time is counted
+apart when it ran during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
 On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
 compute stream (the forward that wrote its blocks), and completion is polled with
 ``Event.query()``. ``poll`` never blocks; ``wait`` does (flush before a preempted request's
@@ -146,6 +147,9 @@ class CpuTransferWorker(TransferWorker):
     # that never ends: an engine that failed); then it copies regardless.
     store_max_lag = 4
     store_max_wait_s = 2.0
+    # Store blocks submitted and not copied beyond which stores copy at once (lagging stores
+    # hold their requests' blocks in the primary pool): set by the owner from the pool size.
+    store_max_pending_blocks = 1 << 30
     # A store copies in pieces of this many bytes, looking between them for a forward pass.
     store_piece_bytes = 1 << 20
 
@@ -162,6 +166,8 @@ class CpuTransferWorker(TransferWorker):
         self._forwards = 0  # forward passes begun
         self._urgent = 0  # callers waiting in wait()/wait_any(): stores copy at once
         self._queued_loads = 0
+        self._pending_store_blocks = 0  # submitted, result not produced yet
+        self._store_blocks: dict[int, int] = {}  # of each such store job
         self._gap_waiters = 0  # stores waiting in _hold_store for a forward pass to end
         # CPU seconds of this thread spent on stores, and the part of it during forward passes.
         self.store_cpu_s = 0.0
@@ -180,7 +186,11 @@ class CpuTransferWorker(TransferWorker):
             for job in jobs:
                 job.submitted_forward = self._forwards
                 job.submitted_at = now
-                self._queued_loads += not job.is_store
+                if job.is_store:
+                    self._store_blocks[job.job_id] = job.num_blocks
+                    self._pending_store_blocks += job.num_blocks
+                else:
+                    self._queued_loads += 1
                 self._inflight.add(job.job_id)
                 self._queue.append(job)
             self._cond.notify_all()
@@ -204,6 +214,7 @@ class CpuTransferWorker(TransferWorker):
             or self._urgent > 0
             or self._stop
             or self._forwards - job.submitted_forward > self.store_max_lag
+            or self._pending_store_blocks > self.store_max_pending_blocks
             or time.monotonic() - job.submitted_at > self.store_max_wait_s
         )
 
@@ -298,6 +309,7 @@ class CpuTransferWorker(TransferWorker):
     def _finish(self, result: TransferResult) -> None:
         """Publish a result; the caller holds ``_cond``."""
         self._inflight.discard(result.job_id)
+        self._pending_store_blocks -= self._store_blocks.pop(result.job_id, 0)
         self._results.append(result)
         self._cond.notify_all()
 
