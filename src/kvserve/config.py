@@ -47,8 +47,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     prefix_hash_seed: str = "kvserve"  # seed of the block hash chain (same on every instance)
     seed: int = 0  # default sampling seed
-    # torch intra-op threads on CPU (default: the usable cores, one fewer from 4 cores on, at
-    # most torch's own default; see engine/model_runner.configure_threads)
+    # torch intra-op threads on CPU (default: the usable cores minus one for the server's own
+    # threads, at most torch's own default; see engine/model_runner.configure_threads)
     num_threads: int | None = None
     debug: bool = False  # check pool integrity after every step
     # KV connector (offloading, P/D transfer); None disables.

@@ -27,13 +27,15 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model, resolve_device, resolve_dtype
 
-# Cores left to the rest of the process on CPU engines, from this many usable cores on: the
-# server's event loop (HTTP, detokenizing), its tokenizer process, the offload and storage
-# threads. OpenMP threads spin at barriers, so a torch thread that has to share its core with
-# them stalls the whole team at every op; with 2-3 cores one thread fewer costs more GEMM
-# throughput than the sharing does, so small machines use them all.
+# Cores left to the rest of the process on CPU engines (from RESERVE_FROM_CORES usable cores
+# on): the server's event loop (HTTP, detokenizing) and the engine thread's Python between ops,
+# its tokenizer process, the offload and storage threads. torch splits each op evenly over its
+# threads, so one that shares its core with them holds up every op. On the 2-core dev box
+# (loaded by other jobs) the throughput benchmark ran 2x faster in fp32 with 1 torch thread
+# than with 2 (378 vs 187-194 tok/s; bf16: 932 vs 880), as vLLM's CPU build also reserves one
+# core (it ran 1 thread here).
 RESERVED_CORES = 1
-RESERVE_FROM_CORES = 4
+RESERVE_FROM_CORES = 2
 
 
 def usable_cores() -> int:
