@@ -33,7 +33,7 @@ import torch
 from kvserve.bench.cli import default_model_dir
 from kvserve.bench.machine import describe_machine, machine_markdown
 from kvserve.config import EngineConfig
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, configure_threads
 from kvserve.engine.outputs import SchedulerOutput
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams
@@ -75,10 +75,13 @@ class ModelSteps:
     """A prefill of ``prompt_len`` tokens and decode steps after ``context`` tokens, at
     batch 1, through one :class:`ModelRunner`."""
 
-    def __init__(self, model_dir: str, dtype: str, prompt_len: int, context: int) -> None:
-        self.runner = ModelRunner(
-            EngineConfig(model=model_dir, dtype=dtype, block_size=16, device=str(DEVICE))
+    def __init__(
+        self, model_dir: str, dtype: str, prompt_len: int, context: int, threads: int | None = None
+    ) -> None:
+        cfg = EngineConfig(
+            model=model_dir, dtype=dtype, block_size=16, device=str(DEVICE), num_threads=threads
         )
+        self.runner = ModelRunner(cfg)
         m = self.runner.model_config
         self.config = m
         bs = self.runner.block_size
@@ -143,7 +146,7 @@ def interleaved(fns: dict[str, callable], turns: int) -> dict[str, list[float]]:
 def measure(args: argparse.Namespace, dtype: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     tdt = getattr(torch, dtype)
-    steps = ModelSteps(args.model, dtype, args.prompt_len, args.context)
+    steps = ModelSteps(args.model, dtype, args.prompt_len, args.context, threads)
     out: dict = {
         "dtype": dtype,
         "threads": threads,
@@ -192,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model directory (default: the small preset)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--device", default="cpu", help="cpu | cuda (references on the same device)")
-    p.add_argument("--threads", default=None, help="comma list (default: torch's count)")
+    p.add_argument("--threads", default=None, help="comma list (default: the engine's)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--context", type=int, default=512, help="decode: tokens in the KV cache")
     p.add_argument("--peak-sizes", default="1024,2048", help="square GEMM sizes for the peak")
@@ -254,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     global DEVICE
     DEVICE = torch.device(args.device)
-    threads = (
-        [int(x) for x in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
-    )
+    if args.threads:
+        threads = [int(x) for x in args.threads.split(",")]
+    else:  # the engine's own default (cores minus the one left to the server)
+        threads = [configure_threads(None, DEVICE)]
     load_before = os.getloadavg()[0]
     runs = []
     for dtype in args.dtypes.split(","):
