@@ -1,6 +1,7 @@
 """The storage worker on real tiers (disk and fs in a temporary directory, Redis on a real
-Valkey server): one hash per chunk for all tiers, staging reads in one shard per I/O thread
-read in that thread, writers under SCHED_IDLE, held while paused and to their duty cycle."""
+Valkey server): one hash per chunk for all tiers, staging reads in groups of contiguous chunks
+read in the I/O threads themselves, writers under SCHED_IDLE, held while paused and to their
+duty cycle."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from kvserve.kv.backends import chunk_format, create_backend
 from kvserve.kv.backends.chunk_format import ChunkCodec
-from kvserve.kv.offload.storage_worker import ReadItem, StorageResult, StorageWorker, split_even
+from kvserve.kv.offload.storage_worker import ReadItem, StorageResult, StorageWorker, read_groups
 
 CODEC = ChunkCodec(
     model="0123456789abcdef", layout="L2-B16-H2-D32-bfloat16-k2", payload_bytes=1 << 16
@@ -69,10 +70,13 @@ def wait_result(w: StorageWorker, op: int) -> StorageResult:
     raise AssertionError(f"storage op {op} did not finish in {TIMEOUT} s")
 
 
-def test_split_even() -> None:
-    assert split_even(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
-    assert split_even([5, 6], 4) == [[5], [6]]
-    assert split_even([], 4) == []
+def test_read_groups() -> None:
+    assert read_groups(list(range(10)), 4) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert read_groups(list(range(62)), 4) == [
+        list(range(i, min(62, i + 8))) for i in range(0, 62, 8)
+    ]
+    assert read_groups([5], 4) == [[5]] and read_groups([], 4) == []
+    assert max(map(len, read_groups(list(range(1000)), 4))) == 16
 
 
 def test_one_hash_per_chunk_for_all_tiers(tiers, make_worker, monkeypatch) -> None:
@@ -97,9 +101,9 @@ def test_one_hash_per_chunk_for_all_tiers(tiers, make_worker, monkeypatch) -> No
         assert [bytes(o) for o in outs] == [bytes(p) for p in payloads]
 
 
-def test_staging_read_one_shard_per_thread(tiers, make_worker) -> None:
-    """A read of 10 chunks of each tier is 4 get() calls per tier (contiguous shards, one per
-    I/O thread), each read in the calling thread: the disk and fs tiers start no threads."""
+def test_staging_read_in_groups_in_the_io_threads(tiers, make_worker) -> None:
+    """A read of 10 chunks of each tier is one get() call per group of 2 contiguous chunks,
+    each read in the I/O thread that called it: the disk and fs tiers start no threads."""
     disk, fs, redis = tiers
     w = make_worker(tiers, io_threads=4)
     keys, payloads = chunks(30)
@@ -122,7 +126,8 @@ def test_staging_read_one_shard_per_thread(tiers, make_worker) -> None:
     assert [bytes(o) for o in outs] == [bytes(p) for p in payloads]
     for t, tier in enumerate(tiers):
         shards = [ks for name, ks, _ in calls if name == tier.name]
-        assert sorted(shards) == sorted(split_even(keys[10 * t : 10 * t + 10], 4))
+        mine = keys[10 * t : 10 * t + 10]
+        assert sorted(shards) == sorted(mine[i : i + 2] for i in range(0, 10, 2))
     assert all(th.startswith("kv-storage-io") for _, _, th in calls)
     started = {t.name for t in threading.enumerate()} - before
     assert not [n for n in started if not n.startswith("kv-storage-io")], started

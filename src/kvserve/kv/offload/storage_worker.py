@@ -14,13 +14,15 @@ Lookups and reads (requests wait for them) run on one pool of threads, writes on
 smaller pool behind a bounded queue: a write that finds the queue full is dropped and counted
 (a future miss, never a wait), so a slow tier cannot delay loads or the engine.
 
-Reads: a tier's chunks of one read are split into one contiguous shard per I/O thread, each
-read by ONE ``get`` call in that thread (backends read in the caller's thread: no per-chunk
-hand-off between pools). Writes go in batches of ``write_batch`` chunks, each batch to every
-tier in turn; each chunk's header (its full-content hash) is made once for all tiers. The
-writer threads run under ``SCHED_IDLE`` (on cores the engine leaves idle), may be held to a
-duty cycle (``write_duty``) and paused while the engine computes a step (:meth:`pause_writes`
-/ :meth:`resume_writes`: checked before each batch and each tier's part of it).
+Reads: a tier's chunks of one read are cut into a few groups of contiguous chunks per I/O
+thread; one task per thread takes groups until none is left, each read by one ``get`` call in
+that thread (backends read in the caller's thread: no per-chunk hand-off between pools).
+
+Writes go in batches of ``write_batch`` chunks, each batch to every tier in turn; each chunk's
+header (its full-content hash) is made once for all tiers. The writer threads run under
+``SCHED_IDLE`` (on cores the engine leaves idle), may be held to a duty cycle (``write_duty``)
+and paused while the engine computes a step (:meth:`pause_writes` / :meth:`resume_writes`:
+checked before each batch and each tier's part of it).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +43,9 @@ logger = logging.getLogger(__name__)
 # Longest a paused writer waits: a long step (a big prefill) or a pause never resumed must
 # not hold the cascade back for good.
 PAUSE_BOUND_S = 1.0
+# Staging reads: groups of contiguous chunks per I/O thread, and the largest group.
+READ_GROUPS_PER_THREAD = 2
+MAX_READ_GROUP = 16
 # Writer threads' scheduling (storage.lower_thread_priority): SCHED_IDLE, nice 19, unchanged.
 WRITER_POLICIES = ("idle", "nice", "normal")
 
@@ -133,30 +139,38 @@ class StorageWorker:
 
     def read(self, items: Sequence[ReadItem]) -> int:
         """Start reading ``items`` into their destinations; returns its op id. Each tier's
-        chunks are split into contiguous shards, one per I/O thread, each read by one ``get``
-        call; the result is published when the last shard ends."""
+        chunks are cut into groups of contiguous chunks (:func:`read_groups`); one task per
+        I/O thread takes the next group until none is left, one ``get`` call per group (a
+        thread the machine delays holds back one group, not a fixed share). The result is
+        published when the last group ends."""
         op = next(self._ids)
         items = list(items)
         by_tier: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             by_tier.setdefault(item.tier, []).append(i)
-        shards = [shard for idx in by_tier.values() for shard in split_even(idx, self.io_threads)]
+        groups = deque(g for idx in by_tier.values() for g in read_groups(idx, self.io_threads))
         ok = [False] * len(items)
-        remaining = [len(shards)]
+        runners = min(self.io_threads, len(groups))
+        remaining = [runners]
         with self._cond:
             if self._closed:
                 raise RuntimeError("storage worker is shut down")
             self._inflight += 1
         t0 = time.perf_counter()
 
-        def run(shard: list[int]) -> None:
-            try:
-                tier = self.tiers[items[shard[0]].tier]
-                got = tier.get([items[i].key for i in shard], [items[i].dest for i in shard])
-                for i, g in zip(shard, got, strict=True):
-                    ok[i] = bool(g)
-            except Exception:  # a tier bug: these chunks are misses
-                logger.exception("KV storage read %d failed", op)
+        def run() -> None:
+            while True:
+                try:
+                    group = groups.popleft()  # atomic: the runners share the groups
+                except IndexError:
+                    break
+                try:
+                    tier = self.tiers[items[group[0]].tier]
+                    got = tier.get([items[i].key for i in group], [items[i].dest for i in group])
+                    for i, g in zip(group, got, strict=True):
+                        ok[i] = bool(g)
+                except Exception:  # a tier bug: these chunks are misses
+                    logger.exception("KV storage read %d failed", op)
             with self._cond:
                 remaining[0] -= 1
                 if remaining[0]:
@@ -170,13 +184,13 @@ class StorageWorker:
                 )
                 self._cond.notify_all()
 
-        if not shards:
+        if not runners:
             with self._cond:
                 self._inflight -= 1
                 self._results.append(StorageResult(op, "read"))
                 self._cond.notify_all()
-        for shard in shards:
-            self._reads.submit(run, shard)
+        for _ in range(runners):
+            self._reads.submit(run)
         return op
 
     def write(self, keys: Sequence[bytes], payloads: Sequence[memoryview]) -> int | None:
@@ -311,15 +325,9 @@ class StorageWorker:
         return StorageResult(op, "write", ok=present, stored=stored, nbytes=nbytes)
 
 
-def split_even(items: list[int], parts: int) -> list[list[int]]:
-    """``items`` in at most ``parts`` contiguous, non-empty shards of sizes differing by <= 1."""
-    if not items:
-        return []
-    parts = max(1, min(parts, len(items)))
-    q, r = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + q + (p < r)
-        out.append(items[start:end])
-        start = end
-    return out
+def read_groups(items: list[int], threads: int) -> list[list[int]]:
+    """``items`` cut into contiguous groups: about ``READ_GROUPS_PER_THREAD`` per thread (a
+    late thread's share is small), at most ``MAX_READ_GROUP`` chunks each (one pipeline or a
+    run of reads per ``get`` call)."""
+    size = min(MAX_READ_GROUP, max(1, -(-len(items) // (threads * READ_GROUPS_PER_THREAD))))
+    return [items[i : i + size] for i in range(0, len(items), size)]
