@@ -38,6 +38,8 @@ SERVER_ARGS = [
     "256",
     "--max-num-batched-tokens",
     "24",
+    "--kv-offload-size",  # a host tier per rank
+    "0.02",
 ]
 
 
