@@ -25,6 +25,18 @@ from pathlib import Path
 from kvserve.bench.loadgen import LoadConfig, http_run, wait_for_server
 
 
+def _free_port_block(host: str, n: int) -> int:
+    from kvserve.server.data_parallel import _free_port_block as block
+
+    return block(host, n)
+
+
+def offset_url(url: str, rank: int) -> str:
+    from kvserve.cluster.data_parallel import offset_url as offset
+
+    return offset(url, rank)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,6 +54,8 @@ class ClusterSpec:
     served_model_name: str = "tiny"
     log_dir: str | None = None  # engine/router logs (default: a temporary directory)
     api_key: str | None = None  # the router's clients must send it (None: no authentication)
+    # Ranks per engine (`kvserve serve --data-parallel-size`): each rank its own router endpoint.
+    data_parallel_size: int = 1
 
 
 # Variables the engines and the router read their API keys from (never inherited).
@@ -78,7 +92,11 @@ class LocalCluster:
 
     @property
     def engine_urls(self) -> list[str]:
-        return [p.url for p in self.engines]
+        """Every engine's URL (every rank's, for data-parallel engines)."""
+        n = self.spec.data_parallel_size
+        if n == 1:
+            return [p.url for p in self.engines]
+        return [offset_url(p.url, r) for p in self.engines for r in range(n)]
 
     def run_workload(self, workload, *, concurrency: int, label: str, seed: int, **kw):
         """Drive ``workload`` through the router, closed loop; returns the ``report.Run``.
@@ -116,8 +134,12 @@ class LocalCluster:
         spec = self.spec
         endpoints = []
         try:
+            n = spec.data_parallel_size
             for i in range(spec.num_engines):
-                port, ev_port, replay_port = free_port(), free_port(), free_port()
+                if n == 1:
+                    port, ev_port, replay_port = free_port(), free_port(), free_port()
+                else:  # rank r listens and publishes on port + r
+                    port, ev_port, replay_port = (_free_port_block("127.0.0.1", n) for _ in "abc")
                 argv = [
                     "serve",
                     "--model", spec.model_dir,
@@ -127,6 +149,7 @@ class LocalCluster:
                     "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
                     *(["--kv-offload-size", str(spec.offload_gib)] if spec.offload_gib else []),
                     *[a for t in spec.kv_tiers for a in ("--kv-tier", t)],
+                    *(["--data-parallel-size", str(n)] if n > 1 else []),
                     *spec.engine_args,
                 ]  # fmt: skip
                 url = f"http://127.0.0.1:{port}"
@@ -135,6 +158,7 @@ class LocalCluster:
                 endpoints.append(
                     f"{url},events=tcp://127.0.0.1:{ev_port},"
                     f"replay=tcp://127.0.0.1:{replay_port},name=engine{i}"
+                    + (f",dp={n}" if n > 1 else "")
                 )
             rport = free_port()
             argv = ["route", "--port", str(rport), "--tokenizer", spec.model_dir]
@@ -150,6 +174,8 @@ class LocalCluster:
             self.router = self._spawn("router", argv, f"http://127.0.0.1:{rport}", keys)
             for p in [*self.engines, self.router]:
                 wait_for_server(p.url, timeout=timeout, proc=p.popen)
+            for url in self.engine_urls:  # every rank of data-parallel engines
+                wait_for_server(url, timeout=timeout)
             self._wait_router_sees_engines(timeout)
         except BaseException:
             self.stop()
@@ -168,7 +194,8 @@ class LocalCluster:
                     self.router_url + "/router/state", headers=auth, timeout=5.0, trust_env=False
                 )
                 eps = r.json()["endpoints"]
-                if len(eps) == len(self.engines) and all(e["healthy"] for e in eps):
+                want = len(self.engines) * self.spec.data_parallel_size
+                if len(eps) == want and all(e["healthy"] for e in eps):
                     return
             time.sleep(0.2)
         raise TimeoutError("router did not see every engine healthy")

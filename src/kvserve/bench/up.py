@@ -18,6 +18,13 @@ from kvserve.bench.local_cluster import ClusterSpec, LocalCluster
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", help="model directory (default: the tiny preset, created)")
     p.add_argument("--engines", type=int, default=2)
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per engine (each its own KV cache and router endpoint; add "
+        "`-- --enable-expert-parallel` for a MoE model)",
+    )
     p.add_argument("--offload-gib", type=float, default=0.25)
     p.add_argument("--served-model-name", default="tiny")
     p.add_argument(
@@ -39,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         engine_args=extra,
         api_key=args.api_key,
+        data_parallel_size=args.data_parallel_size,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
