@@ -36,7 +36,7 @@ class EngineConfig:
     # is fp32, else fp32
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | native | torch (auto: native on CPU when built)
+    attention_backend: str = "auto"  # auto | native | torch (auto: native on AVX-512 CPUs)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # primary pool size in blocks (overrides kv_cache_memory)
     kv_cache_memory: float = 1.0  # primary pool size in GiB when num_kv_blocks is unset

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvserve import LLM
 from kvserve.engine.attention import (
     NATIVE_AVAILABLE,
+    NATIVE_FAST,
     AttentionMetadata,
     NativeAttentionBackend,
     TorchAttentionBackend,
@@ -205,7 +206,8 @@ def test_unsupported_inputs_take_the_torch_path():
 
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("KVSERVE_ATTENTION_BACKEND", raising=False)
-    assert isinstance(get_attention_backend("cpu"), NativeAttentionBackend)
+    auto = get_attention_backend("cpu")
+    assert isinstance(auto, NativeAttentionBackend if NATIVE_FAST else TorchAttentionBackend)
     assert isinstance(get_attention_backend("cpu", "torch"), TorchAttentionBackend)
     assert isinstance(get_attention_backend("cuda"), TorchAttentionBackend)
     with pytest.raises(ValueError, match="CPU only"):
@@ -261,3 +263,12 @@ def test_token_count_mismatch_raises():
     q, kv = torch.randn(3, 2, 16), torch.randn(2, 2, 16)
     with pytest.raises(ValueError, match="number of tokens"):
         NativeAttentionBackend().forward(q, kv, kv, cache[:, 0], meta, 0.25)
+
+
+def test_auto_backend_uses_the_kernel_only_where_it_is_fast():
+    """``auto`` keeps the torch backend for head dims without a fast path (here 48)."""
+    backend = NativeAttentionBackend(fast_only=True)
+    cache, layer, meta_args, q, k, v, _, _ = make_case(7, [(30, 1)], 4, 2, 48, 4, torch.float32)
+    assert not backend.supports(q, k, v, cache[:, layer])
+    cache, layer, meta_args, q, k, v, _, _ = make_case(7, [(30, 1)], 4, 2, 64, 4, torch.float32)
+    assert backend.supports(q, k, v, cache[:, layer]) == NATIVE_FAST

@@ -4,9 +4,10 @@ KV cache layout (shared by runner, attention and offloading): one tensor
 ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; block 0 is the null block.
 
 Backends: ``native`` (the C/OpenMP kernel reading K/V in place, CPU, when built) and ``torch``
-(torch ops, CPU and CUDA; the fallback and the tests' oracle). ``auto`` picks native on CPU when
-it was built. The environment variable ``KVSERVE_ATTENTION_BACKEND`` (auto | native | torch)
-overrides ``auto``, e.g. to run the whole test suite on the torch backend.
+(torch ops, CPU and CUDA; the fallback and the tests' oracle). ``auto`` picks native on CPUs
+where its fast paths run (AVX-512; head dims 64/96/128, torch for the others), else torch.
+The environment variable ``KVSERVE_ATTENTION_BACKEND`` (auto | native | torch) overrides
+``auto``, e.g. to run the whole test suite on the torch backend.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from kvserve.engine.attention.metadata import AttentionMetadata, PrefillInfo
 from kvserve.engine.attention.native_backend import AVAILABLE as NATIVE_AVAILABLE
+from kvserve.engine.attention.native_backend import FAST as NATIVE_FAST
 from kvserve.engine.attention.native_backend import NativeAttentionBackend
 from kvserve.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -40,8 +42,8 @@ def get_attention_backend(
         if not on_cpu:
             raise ValueError("the native attention backend runs on CPU only")
         return NativeAttentionBackend()  # raises when not built
-    if name == "auto" and on_cpu and NATIVE_AVAILABLE:
-        return NativeAttentionBackend()
+    if name == "auto" and on_cpu and NATIVE_FAST:
+        return NativeAttentionBackend(fast_only=True)
     return TorchAttentionBackend()
 
 
@@ -57,6 +59,7 @@ def set_attention_backend(model: nn.Module, backend: AttentionBackend) -> None:
 __all__ = [
     "BACKEND_NAMES",
     "NATIVE_AVAILABLE",
+    "NATIVE_FAST",
     "AttentionBackend",
     "AttentionMetadata",
     "NativeAttentionBackend",

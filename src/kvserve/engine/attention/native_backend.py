@@ -9,6 +9,8 @@ built once per step and kept on the :class:`AttentionMetadata`.
 The kernel is optional at install (``setup.py``); :data:`AVAILABLE` says whether it was built.
 Whatever it does not cover (CUDA tensors, fp16, views whose head dim is not contiguous, more
 than 32 query heads per KV head) goes to the torch backend, which is also the tests' oracle.
+Its fast paths are AVX-512 code for head dims 64, 96 and 128 (:data:`FAST`); elsewhere it is
+correct but plain loops, slower than the torch backend, so ``auto`` uses it only where fast.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ except ImportError:  # built without a C compiler (setup.py marks the extension 
 
 # Whether the native kernel was built (else only the torch backend exists).
 AVAILABLE = _native is not None
+# Whether its register-blocked AVX-512 paths run on this CPU (head dims FAST_HEAD_DIMS).
+FAST = AVAILABLE and bool(_native.build_info()["vector_paths"])
+FAST_HEAD_DIMS = (64, 96, 128)
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 MAX_GROUP = 32  # query heads per KV head the kernel tiles (TILE_ROWS in the C source)
@@ -32,7 +37,7 @@ MAX_HEAD_DIM = 512
 
 
 def build_info() -> dict[str, object]:
-    """``{'openmp': bool, 'isa': str}`` of the built kernel, ``{}`` when not built."""
+    """``{'openmp', 'isa', 'vector_paths'}`` of the built kernel, ``{}`` when not built."""
     return _native.build_info() if _native is not None else {}
 
 
@@ -67,7 +72,10 @@ class NativeAttentionBackend:
     name = "native"
     write_kv = staticmethod(TorchAttentionBackend.write_kv)
 
-    def __init__(self) -> None:
+    def __init__(self, fast_only: bool = False) -> None:
+        """``fast_only``: run the kernel only where its fast paths do (:data:`FAST`, head dims
+        :data:`FAST_HEAD_DIMS`), the torch backend elsewhere (what ``auto`` selects)."""
+        self.fast_only = fast_only
         if _native is None:
             raise RuntimeError(
                 "the native paged-attention kernel was not built (no C compiler at install?); "
@@ -78,11 +86,14 @@ class NativeAttentionBackend:
     def release_workspace(self) -> None:
         self.fallback.release_workspace()
 
-    @staticmethod
-    def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    def supports(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor
+    ) -> bool:
         """Whether the kernel takes these tensors (else :meth:`forward` uses the fallback)."""
         dtype = kv_layer.dtype
         h_q, h_kv, d = q.shape[1], kv_layer.shape[3], kv_layer.shape[4]
+        if self.fast_only and not (FAST and d in FAST_HEAD_DIMS):
+            return False
         return (
             kv_layer.device.type == "cpu"
             and dtype in _ELEM_BYTES
