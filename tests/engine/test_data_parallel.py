@@ -209,7 +209,7 @@ def test_killed_rank_takes_the_group_down(dp_server):
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGKILL)
     assert dp_server.popen.wait(timeout=60) == 1
-    assert "data-parallel rank 1 exited" in dp_server.log.read_text()
+    assert "rank 1 killed by SIGKILL" in dp_server.log.read_text()
     for pid in ranks:
         with pytest.raises(ProcessLookupError):
             for _ in range(100):  # reaped by the supervisor: gone

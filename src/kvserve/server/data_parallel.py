@@ -6,8 +6,9 @@ Owns the supervisor and the rank side of a data-parallel server:
   ``port + r``; a KV event endpoint ``tcp://H:P`` becomes ``tcp://H:P+r``, its replay port
   too), a rendezvous port for expert parallelism, starts every rank as ``kvserve serve ...
   --data-parallel-rank r``, and watches them: the first rank to exit takes the group down
-  (the others get SIGTERM, then SIGKILL) and the supervisor exits non-zero naming it, so a
-  dead rank never leaves its peers hanging in a collective. SIGINT/SIGTERM stop every rank.
+  (the others get SIGTERM, then SIGKILL) and the supervisor exits non-zero naming it and
+  any rank that failed with it, so a dead rank never leaves its peers hanging in a
+  collective. SIGINT/SIGTERM stop every rank.
 - each rank is a whole server (scheduler, KV cache, /metrics, KV events with
   ``data_parallel_rank`` in every batch); with ``--enable-expert-parallel`` it joins the
   torch.distributed group before loading its share of the experts and steps in lockstep
@@ -151,12 +152,14 @@ def run_supervisor(
     code = 0
     try:
         while not stop.is_set():
-            dead = [(r, p.returncode) for r, p in enumerate(procs) if p.poll() is not None]
-            if dead:
-                r, rc = dead[0]
+            if any(p.poll() is not None for p in procs):
+                # Peers of a dead rank fail in their next collective and exit too: name them
+                # all (a signal is the likely first cause; code 3 is "engine failed").
+                time.sleep(0.5)
+                dead = [(r, p.poll()) for r, p in enumerate(procs) if p.poll() is not None]
+                what = "; ".join(f"rank {r} {_exit_text(rc)}" for r, rc in dead)
                 print(
-                    f"kvserve: data-parallel rank {r} exited with code {rc}; "
-                    f"stopping the other {n - 1} rank(s)",
+                    f"kvserve: data-parallel {what}; stopping the group",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -166,6 +169,15 @@ def run_supervisor(
     finally:
         _stop_all(procs)
     return code
+
+
+def _exit_text(rc: int | None) -> str:
+    if rc is not None and rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exited with code {rc}"
 
 
 def _stop_all(procs: list[subprocess.Popen]) -> None:
