@@ -47,8 +47,9 @@
 #endif
 /* Whether the 16-lane vector paths run: only where they are AVX-512 code (the x86-64-v4 clone,
  * or a build for an AVX-512 target). Elsewhere GCC lowers 64-byte vectors to 2-4 registers
- * each, the register-resident groups spill, and those paths measured 2.6x (decode) to 14x
- * (prefill) slower than the plain loops under AVX2; the plain loops vectorize at any width. */
+ * each and the register-resident groups spill: built for AVX2 they measured 1.1x (decode) and
+ * 2.6x (prefill) the time of the plain loops, which vectorize at any width (and which are
+ * themselves slower than the torch backend there: see native_backend.FAST). */
 static int pa_vec512;
 #define PA_INLINE static inline __attribute__((always_inline))
 
