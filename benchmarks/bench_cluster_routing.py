@@ -1,4 +1,4 @@
-"""Cluster-scale routing: 16 simulated H100 instances behind `kvserve route`, prefix groups.
+"""Cluster-scale routing: simulated H100 instances (16 by default) behind `kvserve route`.
 
 llm-d's published experiment, scaled down (anchors.md: 16 H100, 150 groups x 6k-token
 prefixes needing 73% of the cluster's KV; precise routing 8,730 tok/s and TTFT p90 0.54 s,
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_report(
         args.out,
         runs,
-        title="Cluster routing: prefix groups on 16 simulated H100 instances",
+        title=f"Cluster routing: prefix groups on {args.num_instances} simulated instances",
         machine=machine,
         workload=workload.describe(),
         baseline="random" if "random" in by else None,
