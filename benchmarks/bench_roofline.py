@@ -28,7 +28,11 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
+# What `import kvserve` sets before torch loads (OpenMP threads sleep at barriers); this script
+# imports torch first, so it sets it itself.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from kvserve.bench.cli import default_model_dir
 from kvserve.bench.machine import describe_machine, machine_markdown
