@@ -86,7 +86,8 @@ def test_config_variants():
             "max_position_embeddings": 32768,
         }
     )
-    assert c.max_context_len == 4096
+    # Sliding-window attention is computed (every Mistral layer), so the context is not capped.
+    assert c.max_context_len == 32768 and c.layer_window(1) == 4096
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         ModelConfig.from_dict({**base, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope_scaling"):

@@ -103,7 +103,7 @@ class ModelRunner:
             backend = FlashInferAttentionBackend(self.device)
             backend.configure(
                 m.num_attention_heads, m.num_key_value_heads, m.head_dim, self.dtype,
-                m.head_dim**-0.5,
+                m.attn_scale,
             )  # fmt: skip
             return backend
         return get_attention_backend(self.device, name)

@@ -1,9 +1,11 @@
-"""Model hyper-parameters parsed from a Hugging Face ``config.json`` (Llama family, and the
-Qwen3-MoE / Mixtral mixtures of experts).
+"""Model hyper-parameters parsed from a Hugging Face ``config.json`` (Llama family, Gemma 3
+text, and the Qwen3-MoE / Mixtral mixtures of experts).
 
 Owns the mapping from the HF field names of LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM to one
-:class:`ModelConfig` (refusing MoE variants kvserve does not compute); never touches weights.
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM and
+Gemma3ForCausalLM to one :class:`ModelConfig` (refusing variants kvserve does not compute),
+including each layer's attention type (full, or sliding window of ``sliding_window`` tokens);
+never touches weights.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma3ForCausalLM",
 )
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
@@ -47,7 +50,15 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str = "float32"
     model_type: str = "llama"
+    # Attention type per layer ("full_attention" | "sliding_attention"; empty: all full).
+    # A sliding layer's query at position p attends keys (p - sliding_window, p].
     sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    # Gemma 3: scores scaled by query_pre_attn_scalar ** -0.5; sliding layers' RoPE base;
+    # tanh soft-capping of the final logits.
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
     # Mixture of experts (Qwen3-MoE, Mixtral); num_experts 0: a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -71,7 +82,18 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """Longest sequence this implementation computes exactly."""
-        return min(self.max_position_embeddings, self.sliding_window or 1 << 62)
+        return self.max_position_embeddings
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` in tokens; None: full attention."""
+        if not self.sliding_window or not self.layer_types:
+            return None
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale of the attention scores."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def q_size(self) -> int:
@@ -109,11 +131,10 @@ class ModelConfig:
             rope_scaling["rope_type"] = kind
             if kind == "default":
                 rope_scaling = None
-        # Sliding-window attention is not implemented; it equals full attention up to the
-        # window, so the runner caps the context length there (Mistral v0.1: 4096).
-        sliding_window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            sliding_window = sliding_window if cfg.get("use_sliding_window") else None
+        sliding_window, layer_types = _attention_types(arch, cfg)
+        gemma = _gemma3_fields(cfg) if arch == "Gemma3ForCausalLM" else {}
+        if gemma:
+            rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -138,7 +159,9 @@ class ModelConfig:
             eos_token_id=eos_ids,
             torch_dtype=str(dtype).replace("torch.", ""),
             model_type=str(cfg.get("model_type", "llama")),
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            **gemma,
             **moe,
         )
 
@@ -154,6 +177,77 @@ class ModelConfig:
             if eos is not None:
                 cfg.eos_token_id = [eos] if isinstance(eos, int) else list(eos)
         return cfg
+
+
+def _attention_types(arch: str, cfg: dict[str, Any]) -> tuple[int | None, list[str]]:
+    """``(sliding_window, layer_types)``: HF's rules per architecture. Mistral/Mixtral slide in
+    every layer when ``sliding_window`` is set; elsewhere an explicit ``layer_types``
+    (transformers 5 writes it) wins, else Qwen2/3 only with ``use_sliding_window`` and from layer
+    ``max_window_layers`` on, Gemma 3 every layer but each ``sliding_window_pattern``-th."""
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        window = window if cfg.get("use_sliding_window") else None
+    if arch == "LlamaForCausalLM" or not window:
+        return None, ["full_attention"] * n
+    # HF's Mistral and Mixtral slide in every layer whatever layer_types says.
+    types = (
+        cfg.get("layer_types") if arch not in ("MistralForCausalLM", "MixtralForCausalLM") else None
+    )
+    if types is None:
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+            first = int(cfg.get("max_window_layers", n))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        elif arch == "Gemma3ForCausalLM":
+            every = int(cfg.get("sliding_window_pattern", 6))
+            types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                     for i in range(n)]  # fmt: skip
+        else:
+            types = ["sliding_attention"] * n
+    types = [str(t) for t in types]
+    if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"{arch}: layer_types must list full_attention/sliding_attention for each of the "
+            f"{n} layers"
+        )
+    if int(window) < 1:
+        raise ValueError(f"{arch}: sliding_window must be >= 1, got {window}")
+    return int(window), types
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text: scale, RoPE bases per attention type, soft-capping; refuses what kvserve
+    does not compute (attention-score soft-capping, bidirectional attention, other
+    activations)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma3ForCausalLM: hidden_activation {act!r} is not supported")
+    if cfg.get("attn_logit_softcapping"):
+        raise ValueError("Gemma3ForCausalLM: attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma3ForCausalLM: use_bidirectional_attention is not supported")
+    params = cfg.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    theta = full.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0
+    local_theta = local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10_000.0
+    scaling = cfg.get("rope_scaling") or (full if "factor" in full else None)
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("Gemma3ForCausalLM: scaled RoPE on sliding layers is not supported")
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling["rope_type"] = kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in ("default", "linear"):
+            raise ValueError(f"Gemma3ForCausalLM: rope_type {kind!r} is not supported (linear)")
+        scaling = None if kind == "default" else scaling
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        rope_local_theta=float(local_theta),
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256),
+        final_logit_softcapping=float(softcap) if softcap else None,
+    )
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

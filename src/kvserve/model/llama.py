@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat token batch.
 
 Variants are switches of one module: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
-embeddings, llama3 / linear RoPE scaling. Projections are fused (QKV, gate-up) so a layer is
+embeddings, llama3 / linear RoPE scaling, sliding-window layers (Mistral; Qwen2/3 from
+``max_window_layers``), which attend through the metadata's window view. Projections are fused (QKV, gate-up) so a layer is
 four GEMMs. Attention goes through a paged backend from ``kvserve.engine.attention``; this
 module owns no KV state.
 """
@@ -130,6 +131,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.backend = backend or get_attention_backend()
+        self.window = config.layer_window(layer_idx)  # sliding window (tokens) or None
 
     def forward(
         self,
@@ -147,8 +149,28 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = self.backend.forward(q, k, v, kv_cache[:, self.layer_idx], meta, self.scale)
+        o = windowed_attention(self.backend, self.window, q, k, v, kv_cache[:, self.layer_idx],
+                               meta, self.scale)  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+def windowed_attention(
+    backend: TorchAttentionBackend,
+    window: int | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``backend.forward``, or for a sliding-window layer the torch backend (the native and
+    FlashInfer backends' ``fallback``; they do not take a window) over ``meta``'s window
+    view."""
+    if window is None:
+        return backend.forward(q, k, v, kv_layer, meta, scale)
+    torch_backend = backend if backend.name == "torch" else backend.fallback
+    return torch_backend.forward(q, k, v, kv_layer, meta.window_view(window), scale)
 
 
 class MLP(nn.Module):

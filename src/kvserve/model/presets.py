@@ -1,7 +1,9 @@
 """`kvserve make-model`: write a deterministic Hugging Face-format model directory.
 
 Owns the preset shapes (``tiny`` for tests, ``small`` for benchmarks, ``tiny-qwen2``, the
-mixtures of experts ``tiny-moe`` / ``small-moe`` (Qwen3-MoE) and ``tiny-mixtral``), the
+mixtures of experts ``tiny-moe`` / ``small-moe`` (Qwen3-MoE) and ``tiny-mixtral``, the
+sliding-window models ``tiny-mistral-sw`` and ``tiny-gemma3`` (windows of a few blocks, so
+tests cross them)), the
 seeded random initialization, and the byte-level BPE tokenizer trained locally from
 :mod:`kvserve.model.corpus`. Same arguments -> same bytes, on every run and machine. The
 directory loads in kvserve and in ``transformers`` alike (the parity oracle).
@@ -87,6 +89,12 @@ PRESETS["small-moe"] = dict(
     torch_dtype="float32",
 )
 
+# Sliding windows: Mistral-style (every layer), Gemma 3 (5 sliding layers : 1 full).
+PRESETS["tiny-mistral-sw"] = dict(PRESETS["tiny"], arch="mistral", sliding_window=48)
+PRESETS["tiny-gemma3"] = dict(
+    PRESETS["tiny"], arch="gemma3", num_hidden_layers=6, sliding_window=32
+)
+
 ARCHS: dict[str, dict[str, Any]] = {
     "llama": dict(
         architectures=["LlamaForCausalLM"],
@@ -133,6 +141,22 @@ ARCHS: dict[str, dict[str, Any]] = {
         mlp_only_layers=[],
         router_aux_loss_coef=0.001,
         output_router_logits=False,
+    ),
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        # Local RoPE base for sliding layers, linearly scaled global base for full ones.
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=48,  # != head_dim, so a wrong score scale shows
+        attention_bias=False,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=30.0,
+        sliding_window_pattern=6,
+        tie_word_embeddings=True,
     ),
     "mixtral": dict(
         architectures=["MixtralForCausalLM"],
@@ -213,10 +237,15 @@ def _init_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     # the current one (the residual stream would otherwise be dominated by its embedding).
     emb_std = 0.02 if cfg["tie_word_embeddings"] else 1.0
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, h, std=emb_std)}
+    gemma = arch == "gemma3_text"
+    norm_mean = 0.0 if gemma else 1.0  # Gemma's norms multiply by (1 + weight)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = normal(h, std=0.1, mean=1.0)
-        w[p + "post_attention_layernorm.weight"] = normal(h, std=0.1, mean=1.0)
+        w[p + "input_layernorm.weight"] = normal(h, std=0.1, mean=norm_mean)
+        w[p + "post_attention_layernorm.weight"] = normal(h, std=0.1, mean=norm_mean)
+        if gemma:
+            w[p + "pre_feedforward_layernorm.weight"] = normal(h, std=0.1)
+            w[p + "post_feedforward_layernorm.weight"] = normal(h, std=0.1)
         w[p + "self_attn.q_proj.weight"] = normal(nh * d, h, std=h**-0.5)
         w[p + "self_attn.k_proj.weight"] = normal(nkv * d, h, std=h**-0.5)
         w[p + "self_attn.v_proj.weight"] = normal(nkv * d, h, std=h**-0.5)
@@ -225,16 +254,16 @@ def _init_weights(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             w[p + "self_attn.q_proj.bias"] = normal(nh * d, std=0.1)
             w[p + "self_attn.k_proj.bias"] = normal(nkv * d, std=0.1)
             w[p + "self_attn.v_proj.bias"] = normal(nkv * d, std=0.1)
-        if arch in ("qwen3", "qwen3_moe"):
-            w[p + "self_attn.q_norm.weight"] = normal(d, std=0.1, mean=1.0)
-            w[p + "self_attn.k_norm.weight"] = normal(d, std=0.1, mean=1.0)
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
+            w[p + "self_attn.q_norm.weight"] = normal(d, std=0.1, mean=norm_mean)
+            w[p + "self_attn.k_norm.weight"] = normal(d, std=0.1, mean=norm_mean)
         if arch in ("qwen3_moe", "mixtral"):
             w.update(_moe_weights(cfg, p, normal))
             continue
         w[p + "mlp.gate_proj.weight"] = normal(inter, h, std=h**-0.5)
         w[p + "mlp.up_proj.weight"] = normal(inter, h, std=h**-0.5)
         w[p + "mlp.down_proj.weight"] = normal(h, inter, std=inter**-0.5)
-    w["model.norm.weight"] = normal(h, std=0.1, mean=1.0)
+    w["model.norm.weight"] = normal(h, std=0.1, mean=norm_mean)
     if not cfg["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(vocab, h, std=h**-0.5)
     return w
@@ -282,8 +311,14 @@ def model_config(preset: str = "tiny", arch: str | None = None) -> dict[str, Any
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256,
         }
+    if arch == "gemma3":
+        n, every = cfg["num_hidden_layers"], cfg["sliding_window_pattern"]
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)
+        ]
+    else:
+        cfg["hidden_act"] = "silu"
     cfg.update(
-        hidden_act="silu",
         rms_norm_eps=1e-5 if arch in ("llama", "mistral", "mixtral") else 1e-6,
         initializer_range=0.02,
         bos_token_id=0,

@@ -1,4 +1,4 @@
-"""Model class by architecture: the dense Llama-family module or the MoE decoder."""
+"""Model class by architecture: the dense Llama-family module, Gemma 3 or the MoE decoder."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def get_model_class(config: ModelConfig) -> type[nn.Module]:
         from kvserve.model.moe_decoder import MoeForCausalLM
 
         return MoeForCausalLM
+    if config.architecture == "Gemma3ForCausalLM":
+        from kvserve.model.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
     from kvserve.model.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

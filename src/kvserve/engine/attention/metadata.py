@@ -4,11 +4,14 @@ context each request's queries attend to.
 Built once per step by the model runner and shared by every layer, so per-layer work is only
 tensor ops: slot indices, flat decode block lists and masks are computed here once. Requests
 are ordered decodes first (one query token each), then prefills (chunks of one or more prompt
-tokens).
+tokens). Sliding-window layers read :meth:`AttentionMetadata.window_view`: the same step with
+block lists cut to the window and masks hiding keys older than it (built once per step and
+window).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,8 +24,12 @@ class PrefillInfo:
     query_start: int  # offset of its first query token in the flat batch
     query_len: int
     num_computed: int  # tokens already in the cache (context before this chunk)
-    block_table: torch.Tensor  # [ceil(seq_len / block_size)] block ids (long, on device)
-    causal_mask: torch.Tensor | None = None  # [query_len, seq_len] bool, None if no context
+    block_table: torch.Tensor  # block ids (long, on device) of positions [kv_start, seq_len)
+    # [query_len, seq_len - kv_start] bool (True = attend); None: plain causal, no context.
+    causal_mask: torch.Tensor | None = None
+    # First key position attended (> 0 only in a sliding-window view); the block table then
+    # starts at block kv_start // block_size.
+    kv_start: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -48,6 +55,11 @@ class AttentionMetadata:
     # True = attend) hides the padding, else it is None (no mask at all).
     decode_kv_len: int = 0
     decode_mask: torch.Tensor | None = None
+    # Gathered slots before this one are never attended (sliding-window views): decodes read
+    # slots [decode_kv_offset, decode_kv_len) and decode_mask spans just those.
+    decode_kv_offset: int = 0
+    # The sliding window this metadata applies (None: full attention).
+    window: int | None = None
     prefills: list[PrefillInfo] = field(default_factory=list)
     # Per-step caches shared by every layer: ``write_rows`` per KV-view geometry, additive
     # masks per (mask id, dtype).
@@ -56,6 +68,7 @@ class AttentionMetadata:
     # Per-step inputs a backend derives from this metadata once and reuses in every layer
     # (the native kernel's request rows and concatenated block tables), by backend name.
     backend_state: dict[str, object] = field(default_factory=dict, repr=False)
+    _windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -96,6 +109,56 @@ class AttentionMetadata:
             out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             out = self._masks[key] = out.masked_fill_(~mask, float("-inf"))
         return out
+
+    def window_view(self, window: int) -> AttentionMetadata:
+        """This step for a layer with a sliding window of ``window`` tokens (a query at
+        position p attends keys (p - window, p]): decode block lists start at each request's
+        first block in the window, prefills gather from the block of their first query's
+        window and mask keys older than each query's window. Built once per step and window;
+        ``self`` when no request is longer than the window."""
+        view = self._windows.get(window)
+        if view is None:
+            view = self if max(self.seq_lens) <= window else self._windowed(window)
+            self._windows[window] = view
+        return view
+
+    def _windowed(self, window: int) -> AttentionMetadata:
+        bs = self.block_size
+        view = dataclasses.replace(self, prefills=[], backend_state={}, _windows={}, window=window)
+        nd = self.num_decodes
+        if nd:
+            dev = self.decode_block_ids.device
+            lens = self.seq_lens[:nd]
+            starts = [max(0, n - window) for n in lens]
+            first = [s // bs for s in starts]
+            nblocks = max(-(-n // bs) - f for n, f in zip(lens, first, strict=True))
+            idx = torch.tensor(first)[:, None] + torch.arange(nblocks)[None, :]
+            idx = idx.clamp_(max=self.decode_max_blocks - 1).to(dev)
+            view.decode_block_ids = self.decode_block_tables.gather(1, idx).reshape(-1)
+            view.decode_max_blocks = nblocks
+            offs = [s - f * bs for s, f in zip(starts, first, strict=True)]
+            ends = [n - f * bs for n, f in zip(lens, first, strict=True)]
+            view.decode_kv_offset, view.decode_kv_len = min(offs), max(ends)
+            view.decode_mask = None
+            if len(set(offs)) > 1 or len(set(ends)) > 1:
+                span = torch.arange(min(offs), max(ends))[None, :]
+                mask = (span >= torch.tensor(offs)[:, None]) & (span < torch.tensor(ends)[:, None])
+                view.decode_mask = mask[:, None, None, :].to(dev)
+        for p in self.prefills:
+            if p.seq_len <= window:
+                view.prefills.append(p)
+                continue
+            c, q = p.num_computed, p.query_len
+            start = max(0, c - window + 1)  # oldest key of the first query's window
+            dev = p.block_table.device
+            qpos = torch.arange(c, c + q, device=dev)[:, None]
+            kpos = torch.arange(start, c + q, device=dev)[None, :]
+            mask = (kpos <= qpos) & (kpos > qpos - window)
+            table = p.block_table if c == 0 else p.block_table[start // bs :]
+            view.prefills.append(
+                dataclasses.replace(p, block_table=table, causal_mask=mask, kv_start=start)
+            )
+        return view
 
     @classmethod
     def build(

@@ -10,8 +10,11 @@ Per layer and step:
   padding mask exists only when the decodes' lengths differ;
 - prefills run one SDPA call each: new queries at positions ``[c, c + n)`` attend causally to
   context ``[0, c + n)`` (gathered from the cache when ``c > 0``, else taken from this step's
-  K/V directly). Inputs are 4-D with ``enable_gqa``: that is what keeps CPU SDPA on its fused
-  flash kernel (3-D inputs take the math path, several times slower).
+  K/V directly); sliding-window layers pass :meth:`AttentionMetadata.window_view`, whose
+  block lists start in the window and whose masks hide older keys (contexts are sliced to the
+  window, a mask only where queries' windows differ). Inputs are 4-D with ``enable_gqa``:
+  that is what keeps CPU SDPA on its fused flash kernel (3-D inputs take the math path,
+  several times slower).
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ class TorchAttentionBackend:
                 kp, vp = k[s : s + n], v[s : s + n]
             else:
                 kp, vp = self.gather(kv_layer, p.block_table)
-                kp, vp = kp[: p.seq_len], vp[: p.seq_len]
+                lo = p.kv_start % meta.block_size  # > 0: sliding window, table from its block
+                hi = lo + p.seq_len - p.kv_start
+                kp, vp = kp[lo:hi], vp[lo:hi]
             # 4-D inputs: on CPU, 3-D ones (and GQA) fall back to the unfused math kernel.
             mask = meta.additive_mask(p.causal_mask, q.dtype)
             mask = None if mask is None else mask[None, None]
@@ -137,8 +142,9 @@ class TorchAttentionBackend:
         kc, vc = self.gather(kv_layer, meta.decode_block_ids)
         s = meta.decode_kv_len
         # [B * MB * BS, H_kv, D] -> [B, H_kv, S, D] (strided view, no copy).
-        kc = kc.view(b, -1, num_kv_heads, head_dim)[:, :s].transpose(1, 2)
-        vc = vc.view(b, -1, num_kv_heads, head_dim)[:, :s].transpose(1, 2)
+        lo = meta.decode_kv_offset  # > 0: sliding window past its first block's start
+        kc = kc.view(b, -1, num_kv_heads, head_dim)[:, lo:s].transpose(1, 2)
+        vc = vc.view(b, -1, num_kv_heads, head_dim)[:, lo:s].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.view(b, num_kv_heads, group, head_dim),
             kc,
