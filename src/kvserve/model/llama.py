@@ -2,9 +2,9 @@
 
 Variants are switches of one module: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3), tied
 embeddings, llama3 / linear RoPE scaling, sliding-window layers (Mistral; Qwen2/3 from
-``max_window_layers``), which attend through the metadata's window view. Projections are fused (QKV, gate-up) so a layer is
-four GEMMs. Attention goes through a paged backend from ``kvserve.engine.attention``; this
-module owns no KV state.
+``max_window_layers``), which attend through the metadata's window view. Projections are
+fused (QKV, gate-up) so a layer is four GEMMs. Attention goes through a paged backend from
+``kvserve.engine.attention``; this module owns no KV state.
 """
 
 from __future__ import annotations
