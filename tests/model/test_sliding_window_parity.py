@@ -58,6 +58,14 @@ def test_attention_types_follow_hf_rules():
     cfg = dict(model_config("tiny-gemma3"), layer_types=None, sliding_window_pattern=3)
     g3 = ModelConfig.from_dict(cfg)
     assert [g3.layer_window(i) for i in range(6)] == [32, 32, None, 32, 32, None]
+    # A Gemma 3 1B-style config.json (pre-transformers-5 field names).
+    old = dict(base, architectures=["Gemma3ForCausalLM"], num_hidden_layers=6, head_dim=16)
+    old.update(sliding_window=512, sliding_window_pattern=6, rope_theta=1e6)
+    old.update(rope_local_base_freq=1e4, query_pre_attn_scalar=256, rope_scaling=None)
+    g1 = ModelConfig.from_dict(old)
+    assert [g1.layer_window(i) for i in range(6)] == [512] * 5 + [None]
+    assert (g1.rope_theta, g1.rope_local_theta, g1.rope_scaling) == (1e6, 1e4, None)
+    assert g1.attn_scale == 1 / 16 and g1.final_logit_softcapping is None
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         ModelConfig.from_dict(dict(model_config("tiny-gemma3"), attn_logit_softcapping=50.0))
     llama = ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"]))
