@@ -5,7 +5,7 @@
 - ``kvserve.engine.attention._paged_attention``: the CPU paged-attention kernel; without it the
   torch backend serves (``kvserve.engine.attention.native_backend.AVAILABLE``). Built with
   OpenMP where the compiler has it (else single-threaded), -O3 and no -march: the kernel
-  carries its own AVX-512 / AVX2 / baseline variants, chosen at load time.
+  carries its own AVX-512 / AVX2 / baseline variants, chosen at import.
 """
 
 import os
@@ -55,6 +55,7 @@ setup(
         Extension(
             "kvserve.engine.attention._paged_attention",
             ["src/kvserve/engine/attention/_paged_attention.c"],
+            depends=["src/kvserve/engine/attention/_paged_attention_vec.h"],
             optional=True,
         ),
     ],

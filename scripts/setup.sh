@@ -9,7 +9,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.kvserve-installed
 native_newer=0  # C sources compiled by `pip install -e` (setup.py)
-for src in src/kvserve/kv/offload/_stream_copy.c src/kvserve/engine/attention/_paged_attention.c
+for src in src/kvserve/kv/offload/_stream_copy.c src/kvserve/engine/attention/_paged_attention.c \
+    src/kvserve/engine/attention/_paged_attention_vec.h
 do
   if [ "$src" -nt "$stamp" ]; then native_newer=1; fi
 done

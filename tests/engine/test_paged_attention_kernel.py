@@ -119,9 +119,26 @@ def batches(draw):
     return specs, hkv * group, hkv, d, bs, dtype, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batches())
-def test_kernel_matches_torch_and_fp64(batch):
+@pytest.fixture(params=["avx512", "avx2", "baseline"])
+def isa(request):
+    """Each of the kernel's code paths in turn (a path the CPU lacks is skipped)."""
+    from kvserve.engine.attention import _paged_attention as native
+
+    before = native.build_info()["isa"]
+    if native.set_isa(request.param) != request.param:
+        native.set_isa(before)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    native.set_isa(before)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(batch=batches())
+def test_kernel_matches_torch_and_fp64(isa, batch):
     specs, hq, hkv, d, bs, dtype, seed = batch
     case = make_case(seed, specs, hq, hkv, d, bs, dtype)
     scale = d**-0.5

@@ -22,10 +22,13 @@
  * queries), so a tile rereads its context once per 64 rows with no cross-lane reductions.
  *
  * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
- * rounded to nearest even. The per-item function is compiled for AVX-512, AVX2+FMA and the
- * baseline (target_clones, resolved once at load), so one build runs on any x86-64; head dims
- * 64, 96 and 128 get unrolled vector copies, others plain loops (each copy adds seconds to
- * the build). The GIL is released while the kernel runs.
+ * rounded to nearest even. The per-item code (_paged_attention_vec.h) is compiled three times
+ * from one source, without -march: AVX-512 with 16-lane vectors, AVX2+FMA with 8-lane ones
+ * (each with its own register budget: one vector width for all lowered 64-byte vectors to
+ * 2-4 AVX2 registers and spilled, 2.6x-14x slower) and the baseline with plain loops only; the
+ * widest the CPU supports runs (chosen at import), so one build runs on any x86-64. Head dims
+ * 64, 96 and 128 get unrolled vector copies, others plain loops (each copy adds seconds to the
+ * build). The GIL is released while the kernel runs.
  */
 #define PY_SSIZE_T_CLEAN
 #pragma GCC diagnostic ignored "-Wpsabi" /* 64-byte vector helpers are always inlined */
@@ -38,19 +41,13 @@
 #include <omp.h>
 #endif
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(PA_NO_CLONES)
-#define PA_HAVE_CLONES 1
-#define PA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* x86-64 with GCC: AVX-512 and AVX2 copies of the per-item code (`#pragma GCC target`),
+ * chosen at import by what the CPU supports; elsewhere, the baseline copy only. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && !defined(PA_BASELINE_ONLY)
+#define PA_X86 1
 #else
-#define PA_HAVE_CLONES 0
-#define PA_CLONES
+#define PA_X86 0
 #endif
-/* Whether the 16-lane vector paths run: only where they are AVX-512 code (the x86-64-v4 clone,
- * or a build for an AVX-512 target). Elsewhere GCC lowers 64-byte vectors to 2-4 registers
- * each and the register-resident groups spill: built for AVX2 they measured 1.1x (decode) and
- * 2.6x (prefill) the time of the plain loops, which vectorize at any width (and which are
- * themselves slower than the torch backend there: see native_backend.FAST). */
-static int pa_vec512;
 #define PA_INLINE static inline __attribute__((always_inline))
 
 #define TILE_ROWS 64 /* query rows (queries x grouped heads) per work item */
@@ -199,332 +196,140 @@ PA_INLINE void rows_generic(const float *restrict Q, float *restrict acc, float 
     }
 }
 
-/* Head dims that are multiples of 16 (up to 128): R rows together, their queries and
- * accumulators held in 16-lane vectors (registers on AVX-512), each K/V row loaded once per
- * group. The compiler lowers the vectors to whatever the clone's ISA has. */
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_u __attribute__((vector_size(64), aligned(4)));
+/* -- the vector paths, per width ---------------------------------------------------------- */
+
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
-PA_INLINE vf vload(const float *p) { return *(const vf_u *)p; }
-PA_INLINE void vstore(float *p, vf v) { *(vf_u *)p = v; }
-PA_INLINE float hsum(vf v)
+#if PA_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx2,fma,bmi,bmi2,lzcnt,f16c")
+#define VW 16
+#define vf vf_512
+#define vf_u vf_u_512
+#define vload vload_512
+#define vstore vstore_512
+#define hsum hsum_512
+#define pv_rows pv_rows_512
+#define scores_tr scores_tr_512
+#define tile_transposed tile_transposed_512
+#define rows_vec rows_vec_512
+#define chunk_rows chunk_rows_512
+#define attend_d attend_d_512
+#define attend_item attend_item_512
+#include "_paged_attention_vec.h"
+#undef VW
+#undef vf
+#undef vf_u
+#undef vload
+#undef vstore
+#undef hsum
+#undef pv_rows
+#undef scores_tr
+#undef tile_transposed
+#undef rows_vec
+#undef chunk_rows
+#undef attend_d
+#undef attend_item
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,bmi,bmi2,lzcnt,f16c")
+#define VW 8
+#define vf vf_256
+#define vf_u vf_u_256
+#define vload vload_256
+#define vstore vstore_256
+#define hsum hsum_256
+#define pv_rows pv_rows_256
+#define scores_tr scores_tr_256
+#define tile_transposed tile_transposed_256
+#define rows_vec rows_vec_256
+#define chunk_rows chunk_rows_256
+#define attend_d attend_d_256
+#define attend_item attend_item_256
+#include "_paged_attention_vec.h"
+#undef VW
+#undef vf
+#undef vf_u
+#undef vload
+#undef vstore
+#undef hsum
+#undef pv_rows
+#undef scores_tr
+#undef tile_transposed
+#undef rows_vec
+#undef chunk_rows
+#undef attend_d
+#undef attend_item
+#pragma GCC pop_options
+#endif
+
+/* Baseline: plain loops only (vectorized at the baseline's width). */
+#define VW 4
+#define vf vf_128
+#define vf_u vf_u_128
+#define vload vload_128
+#define vstore vstore_128
+#define hsum hsum_128
+#define pv_rows pv_rows_128
+#define scores_tr scores_tr_128
+#define tile_transposed tile_transposed_128
+#define rows_vec rows_vec_128
+#define chunk_rows chunk_rows_128
+#define attend_d attend_d_128
+#define attend_item attend_item_128
+#define PA_PLAIN_ONLY 1
+#include "_paged_attention_vec.h"
+#undef PA_PLAIN_ONLY
+#undef VW
+#undef vf
+#undef vf_u
+#undef vload
+#undef vstore
+#undef hsum
+#undef pv_rows
+#undef scores_tr
+#undef tile_transposed
+#undef rows_vec
+#undef chunk_rows
+#undef attend_d
+#undef attend_item
+
+/* The widest path this CPU runs: 2 = AVX-512, 1 = AVX2 + FMA, 0 = baseline (set at import;
+ * KVSERVE_PAGED_ATTENTION_ISA=avx2|baseline caps it, e.g. to test every path on one CPU). */
+static int pa_level;
+
+/* The widest path the CPU supports. */
+static int cpu_level(void)
 {
-    vf8 a, b;
-    memcpy(&a, &v, 32);
-    memcpy(&b, (const char *)&v + 32, 32);
-    a += b;
-    vf4 c, d;
-    memcpy(&c, &a, 16);
-    memcpy(&d, (const char *)&a + 16, 16);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
+#if PA_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("bmi2"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("bmi2"))
+        return 1;
+#endif
+    return 0;
 }
 
-/* acc[r] = acc[r] * alpha[r] + sum_t P(r, t) V[t] for R rows, P(r, t) = P[r * rs + t * ts];
- * the R accumulator rows stay in registers while the V rows stream by. */
-PA_INLINE void pv_rows(float *restrict acc, const float *restrict P, int64_t rs, int64_t ts,
-                       const float *alpha, const float *const *vp, int64_t n, const int R,
-                       const int ND)
+static void attend_item(const pa_args *a, const pa_item *it, float *ws)
 {
-    const int D = ND * 16;
-    vf o[VMAX_ROWS][VMAX_ND];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < ND; j++)
-            o[r][j] = vload(acc + r * D + 16 * j) * alpha[r];
-    for (int64_t t = 0; t < n; t++) {
-        vf v[VMAX_ND];
-        for (int j = 0; j < ND; j++)
-            v[j] = vload(vp[t] + 16 * j);
-        for (int r = 0; r < R; r++) {
-            const float p = P[r * rs + t * ts];
-            for (int j = 0; j < ND; j++)
-                o[r][j] += p * v[j];
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < ND; j++)
-            vstore(acc + r * D + 16 * j, o[r][j]);
-}
-
-/* Scores of TB keys against all rows of a tile, the rows in the lanes: St[t][m] =
- * sum_i K[t][i] Qt[i][m], one broadcast K element times a row vector of Qt per step (no
- * reduction across lanes). MV: 16-row vectors per tile (1-4). */
-PA_INLINE void scores_tr(const float *restrict Qt, const float *const *kp, float *restrict St,
-                         const int TB, const int MV, const int D)
-{
-    vf s[4][4];
-    for (int tb = 0; tb < TB; tb++)
-        for (int v = 0; v < MV; v++)
-            s[tb][v] = (vf){0};
-    for (int i = 0; i < D; i++) {
-        vf q[4];
-        for (int v = 0; v < MV; v++)
-            q[v] = vload(Qt + i * TILE_ROWS + 16 * v);
-        for (int tb = 0; tb < TB; tb++) {
-            const float k = kp[tb][i];
-            for (int v = 0; v < MV; v++)
-                s[tb][v] += k * q[v];
-        }
-    }
-    for (int tb = 0; tb < TB; tb++)
-        for (int v = 0; v < MV; v++)
-            vstore(St + tb * TILE_ROWS + 16 * v, s[tb][v]);
-}
-
-/* A tile of M >= 8 rows of one KV head (prefill) over one chunk: scores with the rows in the
- * vector lanes (Qt: the tile's queries transposed, [D][TILE_ROWS]), online softmax across the
- * lanes, then the accumulator update in row groups as for decodes. */
-PA_INLINE void tile_transposed(const float *restrict Qt, float *restrict acc,
-                               float *restrict St, float *mx, float *sum,
-                               const float *const *kp, const float *const *vp, int64_t n,
-                               const int64_t *nv, int64_t M, const int ND)
-{
-    const int D = ND * 16;
-    int64_t t = 0;
-    switch ((M + 15) / 16) { /* constant vector count: accumulators in registers */
-#define PA_SCORES(mv)                                                                         \
-    case mv:                                                                                  \
-        for (; t + 4 <= n; t += 4)                                                            \
-            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 4, mv, D);                              \
-        for (; t < n; t++)                                                                    \
-            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, mv, D);                              \
-        break;
-        PA_SCORES(1)
-        PA_SCORES(2)
-        PA_SCORES(3)
-        PA_SCORES(4)
-#undef PA_SCORES
-    }
-    for (int64_t m = 0; m < M; m++) /* causal mask: only the diagonal chunk has any */
-        for (int64_t u = nv[m] < 0 ? 0 : nv[m]; u < n; u++)
-            St[u * TILE_ROWS + m] = -INFINITY;
-    float cmax[TILE_ROWS], alpha[TILE_ROWS], psum[TILE_ROWS];
-    for (int64_t m = 0; m < M; m++) {
-        cmax[m] = mx[m];
-        psum[m] = 0.0f;
-    }
-    for (int64_t u = 0; u < n; u++)
-#pragma omp simd
-        for (int64_t m = 0; m < M; m++)
-            cmax[m] = St[u * TILE_ROWS + m] > cmax[m] ? St[u * TILE_ROWS + m] : cmax[m];
-#pragma omp simd
-    for (int64_t m = 0; m < M; m++) {
-        alpha[m] = exp_neg(mx[m] - cmax[m]);
-        mx[m] = cmax[m];
-    }
-    for (int64_t u = 0; u < n; u++) {
-        float *restrict row = St + u * TILE_ROWS;
-#pragma omp simd
-        for (int64_t m = 0; m < M; m++) {
-            const float e = exp_neg(row[m] - cmax[m]);
-            row[m] = e;
-            psum[m] += e;
-        }
-    }
-    for (int64_t m = 0; m < M; m++)
-        sum[m] = sum[m] * alpha[m] + psum[m];
-    const int RMAX = D <= 64 ? 4 : 2;
-    for (int64_t m = 0; m < M; m += RMAX) {
-        const int64_t R = M - m < RMAX ? M - m : RMAX;
-        if (R == RMAX) /* constant row count: register-resident accumulators */
-            pv_rows(acc + m * D, St + m, 1, TILE_ROWS, alpha + m, vp, n, RMAX, ND);
-        else
-            for (int64_t r = 0; r < R; r++)
-                pv_rows(acc + (m + r) * D, St + m + r, 1, TILE_ROWS, alpha + m + r, vp, n, 1,
-                        ND);
-    }
-}
-
-PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *restrict S,
-                        float *mx, float *sum, const float *const *kp, const float *const *vp,
-                        int64_t n, const int64_t *nv, const int R, const int ND)
-{
-    const int D = ND * 16;
-    vf q[VMAX_ROWS][VMAX_ND];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < ND; j++)
-            q[r][j] = vload(Q + r * D + 16 * j);
-    int64_t n_any = 0; /* keys any row of the group sees */
-    for (int r = 0; r < R; r++)
-        n_any = nv[r] > n_any ? nv[r] : n_any;
-    if (n_any <= 0)
-        return;
-    for (int64_t t = 0; t < n_any; t++) {
-        vf k[VMAX_ND];
-        for (int j = 0; j < ND; j++)
-            k[j] = vload(kp[t] + 16 * j);
-        for (int r = 0; r < R; r++) {
-            vf d = q[r][0] * k[0];
-            for (int j = 1; j < ND; j++)
-                d += q[r][j] * k[j];
-            S[r * CHUNK + t] = hsum(d);
-        }
-    }
-    float alpha[VMAX_ROWS];
-    for (int r = 0; r < R; r++)
-        alpha[r] = softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
-    pv_rows(acc, S, CHUNK, 1, alpha, vp, n_any, R, ND);
-}
-
-/* All rows of a tile over one chunk: groups of up to 4 rows (2 above D = 64, so that the
- * accumulators stay in registers). */
-PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float *sum,
-                          const float *const *kp, const float *const *vp, int64_t n,
-                          const int64_t *nv, int64_t M, const int64_t D, const int vec)
-{
-    if (vec) {
-        const int ND = (int)(D / 16), RMAX = D <= 64 ? 4 : 2;
-        for (int64_t m = 0; m < M; m += RMAX) {
-            const int64_t R = M - m < RMAX ? M - m : RMAX;
-#define PA_ROWS(r)                                                                            \
-    case r:                                                                                   \
-        rows_vec(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, r, ND);      \
-        break;
-            switch (R) {
-                PA_ROWS(1)
-                PA_ROWS(2)
-                PA_ROWS(3)
-                PA_ROWS(4)
-            }
-#undef PA_ROWS
-        }
+#if PA_X86
+    if (pa_level == 2) {
+        attend_item_512(a, it, ws);
         return;
     }
-    for (int64_t m = 0; m < M; m++)
-        rows_generic(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, 1, D);
-}
-
-/* One work item. D and vec are constants at every call: vec (D a multiple of 16, <= 128)
- * selects the vector paths, which then compile only for the specialized head dims. */
-PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const int64_t D,
-                        const int vec)
-{
-    const int64_t *r = a->reqs + 4 * it->req;
-    const int64_t q_start = r[0], q_len = r[1], seq_len = r[2];
-    const int64_t *table = a->tables + r[3];
-    const int64_t G = a->hq / a->hkv, M = it->qn * G, bs = a->bs;
-    const int elem = a->elem;
-    const int64_t first_pos = seq_len - q_len + it->q0; /* position of the tile's first query */
-    const int64_t kv_end = first_pos + it->qn;         /* keys [0, kv_end) */
-    const int64_t nh = it->nh, rows = nh * M;            /* rows of head i: [i * M, i * M + M) */
-
-    float *restrict Q = ws;
-    float *restrict acc = Q + rows * D;
-    float *restrict mx = acc + rows * D;
-    float *restrict sum = mx + rows;
-    float *restrict S = sum + rows;
-    float *restrict Kf = S + CHUNK * TILE_ROWS;
-    float *restrict Vf = Kf + CHUNK * D;
-    float *restrict Qt = Vf + CHUNK * D;
-    const float *kp[CHUNK], *vp[CHUNK];
-    int64_t nv[TILE_ROWS];
-    /* Prefill tiles of 8+ rows: scores with the rows in the lanes (tile_transposed). */
-    const int transposed = vec && nh == 1 && M >= 8;
-
-    for (int64_t m = 0; m < rows; m++) {
-        const int64_t i = m % M, tok = q_start + it->q0 + i / G;
-        const int64_t head = (it->h0 + m / M) * G + i % G;
-        load_row(Q + m * D, a->q + (tok * a->q_st + head * a->q_sh) * elem, D, elem, a->scale);
-        for (int64_t j = 0; j < D; j++)
-            acc[m * D + j] = 0.0f;
-        mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
-        sum[m] = 0.0f;
+    if (pa_level == 1) {
+        attend_item_256(a, it, ws);
+        return;
     }
-    if (transposed)
-        for (int64_t j = 0; j < D; j++)
-            for (int64_t m = 0; m < TILE_ROWS; m++)
-                Qt[j * TILE_ROWS + m] = m < M ? Q[m * D + j] : 0.0f;
-    const int64_t s_kv = a->c_kv * elem;
-    const int64_t heads_bytes = (nh - 1) * a->c_head * elem + D * elem; /* of one slot */
-    for (int64_t p0 = 0; p0 < kv_end; p0 += CHUNK) {
-        const int64_t n = kv_end - p0 < CHUNK ? kv_end - p0 : CHUNK;
-        /* Slot addresses of this chunk (head h0), block by block. */
-        const char *slot[CHUNK];
-        int64_t blk = p0 / bs, off = p0 % bs;
-        for (int64_t t = 0; t < n; t++) {
-            slot[t] = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
-                                  it->h0 * a->c_head) * elem;
-            if (++off == bs) {
-                off = 0;
-                blk++;
-            }
-        }
-        /* Prefetch the next chunk's rows: consecutive slots of one head are H_kv * D apart
-         * and blocks are anywhere, a pattern the hardware prefetchers follow poorly. */
-        const int64_t n_next = kv_end - p0 - n < CHUNK ? kv_end - p0 - n : CHUNK;
-        for (int64_t t = 0; t < n_next; t++) {
-            const char *row = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
-                                          it->h0 * a->c_head) * elem;
-            for (int64_t b = 0; b < heads_bytes; b += 64) {
-                __builtin_prefetch(row + b);
-                __builtin_prefetch(row + s_kv + b);
-            }
-            if (++off == bs) {
-                off = 0;
-                blk++;
-            }
-        }
-        /* Causal: the query at position first_pos + i / G sees keys up to itself. */
-        for (int64_t i = 0; i < M; i++) {
-            const int64_t lim = first_pos + i / G - p0 + 1;
-            nv[i] = lim < n ? lim : n;
-        }
-        for (int64_t hh = 0; hh < nh; hh++) {
-            const int64_t hoff = hh * a->c_head * elem;
-            for (int64_t t = 0; t < n; t++) { /* fp32: rows in place; bf16: widened */
-                const char *row = slot[t] + hoff;
-                if (elem == 4) {
-                    kp[t] = (const float *)row;
-                    vp[t] = (const float *)(row + s_kv);
-                } else {
-                    load_row(Kf + t * D, row, D, 2, 1.0f);
-                    load_row(Vf + t * D, row + s_kv, D, 2, 1.0f);
-                    kp[t] = Kf + t * D;
-                    vp[t] = Vf + t * D;
-                }
-            }
-            const int64_t m0 = hh * M;
-            if (transposed)
-                tile_transposed(Qt, acc, S, mx, sum, kp, vp, n, nv, M, (int)(D / 16));
-            else
-                chunk_rows(Q + m0 * D, acc + m0 * D, S, mx + m0, sum + m0, kp, vp, n, nv, M, D,
-                           vec);
-        }
-    }
-    for (int64_t m = 0; m < rows; m++) {
-        const int64_t i = m % M, tok = q_start + it->q0 + i / G;
-        const int64_t head = (it->h0 + m / M) * G + i % G;
-        char *dst = a->out + (tok * a->o_st + head * a->o_sh) * elem;
-        const float inv = 1.0f / sum[m];
-        const float *restrict o = acc + m * D;
-        if (elem == 4) {
-            float *restrict y = (float *)dst;
-            for (int64_t j = 0; j < D; j++)
-                y[j] = o[j] * inv;
-        } else {
-            uint16_t *restrict y = (uint16_t *)dst;
-            for (int64_t j = 0; j < D; j++)
-                y[j] = f32_to_bf16(o[j] * inv);
-        }
-    }
-}
-
-PA_CLONES static void attend_item(const pa_args *a, const pa_item *it, float *ws)
-{
-    switch (pa_vec512 ? a->d : 0) { /* constant head dims: unrolled, register-resident rows */
-#define PA_HEAD_DIM(d)                                                                        \
-    case d:                                                                                   \
-        attend_d(a, it, ws, d, 1);                                                            \
-        break;
-        PA_HEAD_DIM(64)
-        PA_HEAD_DIM(96)
-        PA_HEAD_DIM(128)
-#undef PA_HEAD_DIM
-    default: /* any other head dim: plain loops */
-        attend_d(a, it, ws, a->d, 0);
-    }
+#endif
+    attend_item_128(a, it, ws);
 }
 
 /* -- the step: store new K/V, then every (tile, KV head) -------------------------------- */
@@ -683,6 +488,8 @@ static PyObject *attend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     Py_RETURN_NONE;
 }
 
+static const char *const level_names[] = {"baseline", "avx2", "avx512"};
+
 static PyObject *build_info(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
 #ifdef _OPENMP
@@ -690,15 +497,28 @@ static PyObject *build_info(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(arg
 #else
     const int openmp = 0;
 #endif
-    const char *isa = "baseline"; /* the clone the resolver picks on this CPU */
-#if PA_HAVE_CLONES
-    if (__builtin_cpu_supports("x86-64-v4"))
-        isa = "x86-64-v4 (AVX-512)";
-    else if (__builtin_cpu_supports("x86-64-v3"))
-        isa = "x86-64-v3 (AVX2, FMA)";
-#endif
-    return Py_BuildValue("{s:O,s:s,s:O}", "openmp", openmp ? Py_True : Py_False, "isa", isa,
-                         "vector_paths", pa_vec512 ? Py_True : Py_False);
+    return Py_BuildValue("{s:O,s:s,s:s}", "openmp", openmp ? Py_True : Py_False, "isa",
+                         level_names[pa_level], "cpu_isa", level_names[cpu_level()]);
+}
+
+/* set_isa(name): run the paths of `name` (capped at what the CPU has); returns the name in
+ * effect. For tests: every path checked on one machine. */
+static PyObject *set_isa(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (name == NULL)
+        return NULL;
+    int level = -1;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(name, level_names[i]) == 0)
+            level = i;
+    if (level < 0) {
+        PyErr_SetString(PyExc_ValueError, "isa must be baseline, avx2 or avx512");
+        return NULL;
+    }
+    const int cpu = cpu_level();
+    pa_level = level < cpu ? level : cpu;
+    return PyUnicode_FromString(level_names[pa_level]);
 }
 
 static PyMethodDef methods[] = {
@@ -709,8 +529,10 @@ static PyMethodDef methods[] = {
      "write paged attention of every request into out. Pointers are data_ptr() ints, strides "
      "in elements; see kvserve.engine.attention.native_backend."},
     {"build_info", build_info, METH_NOARGS,
-     "{'openmp': bool, 'isa': str, 'vector_paths': bool}: OpenMP built in, the kernel variant "
-     "this CPU runs, whether its AVX-512 register-blocked paths run."},
+     "{'openmp': bool, 'isa': str, 'cpu_isa': str}: OpenMP built in, the paths in use "
+     "(avx512 | avx2 | baseline), the widest this CPU supports."},
+    {"set_isa", set_isa, METH_O, "set_isa(name): use the avx512, avx2 or baseline paths "
+     "(capped at the CPU's); returns the name in effect."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -724,11 +546,11 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__paged_attention(void)
 {
-#if PA_HAVE_CLONES
-    __builtin_cpu_init();
-    pa_vec512 = __builtin_cpu_supports("x86-64-v4");
-#elif defined(__AVX512F__)
-    pa_vec512 = 1;
-#endif
+    pa_level = cpu_level();
+    const char *cap = getenv("KVSERVE_PAGED_ATTENTION_ISA");
+    if (cap != NULL && strcmp(cap, "avx2") == 0 && pa_level > 1)
+        pa_level = 1;
+    else if (cap != NULL && strcmp(cap, "baseline") == 0)
+        pa_level = 0;
     return PyModule_Create(&module);
 }

@@ -9,8 +9,10 @@ built once per step and kept on the :class:`AttentionMetadata`.
 The kernel is optional at install (``setup.py``); :data:`AVAILABLE` says whether it was built.
 Whatever it does not cover (CUDA tensors, fp16, views whose head dim is not contiguous, more
 than 32 query heads per KV head) goes to the torch backend, which is also the tests' oracle.
-Its fast paths are AVX-512 code for head dims 64, 96 and 128 (:data:`FAST`); elsewhere it is
-correct but plain loops, slower than the torch backend, so ``auto`` uses it only where fast.
+Its fast paths (:data:`FAST`) are AVX-512 and AVX2 code for head dims 64, 96 and 128; elsewhere
+it is correct but plain loops, slower than the torch backend, so ``auto`` uses it only where
+fast, and on AVX2 for decode-only steps (its AVX2 prefill measured ~1.1x the torch backend's
+time, its AVX2 decode ~0.5x; benchmarks/results/decode_paged_vs_dense.md).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ except ImportError:  # built without a C compiler (setup.py marks the extension 
 
 # Whether the native kernel was built (else only the torch backend exists).
 AVAILABLE = _native is not None
-# Whether its register-blocked AVX-512 paths run on this CPU (head dims FAST_HEAD_DIMS).
-FAST = AVAILABLE and bool(_native.build_info()["vector_paths"])
+# The paths it runs on this CPU (avx512 | avx2 | baseline) and whether they are fast ones
+# (register-blocked vector code for head dims FAST_HEAD_DIMS).
+ISA = _native.build_info()["isa"] if _native is not None else None
+FAST = ISA in ("avx512", "avx2")
 FAST_HEAD_DIMS = (64, 96, 128)
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
@@ -74,7 +78,8 @@ class NativeAttentionBackend:
 
     def __init__(self, fast_only: bool = False) -> None:
         """``fast_only``: run the kernel only where its fast paths do (:data:`FAST`, head dims
-        :data:`FAST_HEAD_DIMS`), the torch backend elsewhere (what ``auto`` selects)."""
+        :data:`FAST_HEAD_DIMS`, on AVX2 decode-only steps), the torch backend elsewhere (what
+        ``auto`` selects)."""
         self.fast_only = fast_only
         if _native is None:
             raise RuntimeError(
@@ -116,7 +121,9 @@ class NativeAttentionBackend:
         """q ``[T, H_q, D]``, k/v ``[T, H_kv, D]`` (this step's tokens), ``kv_layer``: one
         layer of the paged cache ``[num_blocks, 2, block_size, H_kv, D]``. Stores k/v at
         ``meta.slot_mapping`` and returns the attention output ``[T, H_q, D]``."""
-        if not self.supports(q, k, v, kv_layer):
+        if not self.supports(q, k, v, kv_layer) or (
+            self.fast_only and meta.num_prefills and ISA != "avx512"
+        ):
             return self.fallback.forward(q, k, v, kv_layer, meta, scale)
         slots = meta.slot_mapping
         if not q.shape[0] == k.shape[0] == v.shape[0] == slots.numel() == meta.num_tokens:

@@ -1,0 +1,365 @@
+/* The kernel's per-item code, included by _paged_attention.c once per vector width VW (16:
+ * AVX-512, 8: AVX2) under the matching `#pragma GCC target`; the includer maps every name
+ * defined here to a per-width one (see PA_VEC_NAMES there). Register budgets per width:
+ * V_ND vectors per row (head dim <= 128), V_RMAX(D) rows per group, V_MV row vectors and
+ * V_TB keys per transposed-score step. */
+
+#if VW == 16
+#define V_ND 8
+#define V_MV 4
+#define V_TB 4
+#define V_RMAX(D) ((D) <= 64 ? 4 : 2)
+#else
+#define V_ND 16
+#define V_MV 8
+#define V_TB 1
+#define V_RMAX(D) 1
+#endif
+
+/* Head dims that are multiples of VW (up to 128): R rows together, their queries and
+ * accumulators held in VW-lane vectors (registers), each K/V row loaded once per group. */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
+
+PA_INLINE vf vload(const float *p) { return *(const vf_u *)p; }
+PA_INLINE void vstore(float *p, vf v) { *(vf_u *)p = v; }
+PA_INLINE float hsum(vf v)
+{
+#if VW == 16
+    vf8 a, b;
+    memcpy(&a, &v, 32);
+    memcpy(&b, (const char *)&v + 32, 32);
+    a += b;
+#elif VW == 8
+    vf8 a = v;
+#endif
+#if VW >= 8
+    vf4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (const char *)&a + 16, 16);
+    c += d;
+#else
+    vf4 c = v;
+#endif
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* acc[r] = acc[r] * alpha[r] + sum_t P(r, t) V[t] for R rows, P(r, t) = P[r * rs + t * ts];
+ * the R accumulator rows stay in registers while the V rows stream by. */
+PA_INLINE void pv_rows(float *restrict acc, const float *restrict P, int64_t rs, int64_t ts,
+                       const float *alpha, const float *const *vp, int64_t n, const int R,
+                       const int ND)
+{
+    const int D = ND * VW;
+    vf o[VMAX_ROWS][V_ND];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            o[r][j] = vload(acc + r * D + VW * j) * alpha[r];
+    for (int64_t t = 0; t < n; t++) {
+        vf v[V_ND];
+        for (int j = 0; j < ND; j++)
+            v[j] = vload(vp[t] + VW * j);
+        for (int r = 0; r < R; r++) {
+            const float p = P[r * rs + t * ts];
+            for (int j = 0; j < ND; j++)
+                o[r][j] += p * v[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            vstore(acc + r * D + VW * j, o[r][j]);
+}
+
+/* Scores of TB keys against all rows of a tile, the rows in the lanes: St[t][m] =
+ * sum_i K[t][i] Qt[i][m], one broadcast K element times a row vector of Qt per step (no
+ * reduction across lanes). MV: VW-row vectors per tile (1 to TILE_ROWS / VW). */
+PA_INLINE void scores_tr(const float *restrict Qt, const float *const *kp, float *restrict St,
+                         const int TB, const int MV, const int D)
+{
+    vf s[4][V_MV];
+    for (int tb = 0; tb < TB; tb++)
+        for (int v = 0; v < MV; v++)
+            s[tb][v] = (vf){0};
+    for (int i = 0; i < D; i++) {
+        vf q[V_MV];
+        for (int v = 0; v < MV; v++)
+            q[v] = vload(Qt + i * TILE_ROWS + VW * v);
+        for (int tb = 0; tb < TB; tb++) {
+            const float k = kp[tb][i];
+            for (int v = 0; v < MV; v++)
+                s[tb][v] += k * q[v];
+        }
+    }
+    for (int tb = 0; tb < TB; tb++)
+        for (int v = 0; v < MV; v++)
+            vstore(St + tb * TILE_ROWS + VW * v, s[tb][v]);
+}
+
+/* A tile of M >= 8 rows of one KV head (prefill) over one chunk: scores with the rows in the
+ * vector lanes (Qt: the tile's queries transposed, [D][TILE_ROWS]), online softmax across the
+ * lanes, then the accumulator update in row groups as for decodes. */
+PA_INLINE void tile_transposed(const float *restrict Qt, float *restrict acc,
+                               float *restrict St, float *mx, float *sum,
+                               const float *const *kp, const float *const *vp, int64_t n,
+                               const int64_t *nv, int64_t M, const int ND)
+{
+    const int D = ND * VW;
+    int64_t t = 0;
+    switch ((M + VW - 1) / VW) { /* constant vector count: accumulators in registers */
+#define PA_SCORES(mv)                                                                         \
+    case mv:                                                                                  \
+        for (; t + V_TB <= n; t += V_TB)                                                      \
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, V_TB, mv, D);                           \
+        for (; t < n; t++)                                                                    \
+            scores_tr(Qt, kp + t, St + t * TILE_ROWS, 1, mv, D);                              \
+        break;
+        PA_SCORES(1)
+        PA_SCORES(2)
+        PA_SCORES(3)
+        PA_SCORES(4)
+#if VW == 8
+        PA_SCORES(5)
+        PA_SCORES(6)
+        PA_SCORES(7)
+        PA_SCORES(8)
+#endif
+#undef PA_SCORES
+    }
+    for (int64_t m = 0; m < M; m++) /* causal mask: only the diagonal chunk has any */
+        for (int64_t u = nv[m] < 0 ? 0 : nv[m]; u < n; u++)
+            St[u * TILE_ROWS + m] = -INFINITY;
+    float cmax[TILE_ROWS], alpha[TILE_ROWS], psum[TILE_ROWS];
+    for (int64_t m = 0; m < M; m++) {
+        cmax[m] = mx[m];
+        psum[m] = 0.0f;
+    }
+    for (int64_t u = 0; u < n; u++)
+#pragma omp simd
+        for (int64_t m = 0; m < M; m++)
+            cmax[m] = St[u * TILE_ROWS + m] > cmax[m] ? St[u * TILE_ROWS + m] : cmax[m];
+#pragma omp simd
+    for (int64_t m = 0; m < M; m++) {
+        alpha[m] = exp_neg(mx[m] - cmax[m]);
+        mx[m] = cmax[m];
+    }
+    for (int64_t u = 0; u < n; u++) {
+        float *restrict row = St + u * TILE_ROWS;
+#pragma omp simd
+        for (int64_t m = 0; m < M; m++) {
+            const float e = exp_neg(row[m] - cmax[m]);
+            row[m] = e;
+            psum[m] += e;
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        sum[m] = sum[m] * alpha[m] + psum[m];
+    const int RMAX = V_RMAX(D);
+    for (int64_t m = 0; m < M; m += RMAX) {
+        const int64_t R = M - m < RMAX ? M - m : RMAX;
+        if (R == RMAX) /* constant row count: register-resident accumulators */
+            pv_rows(acc + m * D, St + m, 1, TILE_ROWS, alpha + m, vp, n, RMAX, ND);
+        else
+            for (int64_t r = 0; r < R; r++)
+                pv_rows(acc + (m + r) * D, St + m + r, 1, TILE_ROWS, alpha + m + r, vp, n, 1,
+                        ND);
+    }
+}
+
+PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *restrict S,
+                        float *mx, float *sum, const float *const *kp, const float *const *vp,
+                        int64_t n, const int64_t *nv, const int R, const int ND)
+{
+    const int D = ND * VW;
+    vf q[VMAX_ROWS][V_ND];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            q[r][j] = vload(Q + r * D + VW * j);
+    int64_t n_any = 0; /* keys any row of the group sees */
+    for (int r = 0; r < R; r++)
+        n_any = nv[r] > n_any ? nv[r] : n_any;
+    if (n_any <= 0)
+        return;
+    for (int64_t t = 0; t < n_any; t++) {
+        vf k[V_ND];
+        for (int j = 0; j < ND; j++)
+            k[j] = vload(kp[t] + VW * j);
+        for (int r = 0; r < R; r++) {
+            vf d = q[r][0] * k[0];
+            for (int j = 1; j < ND; j++)
+                d += q[r][j] * k[j];
+            S[r * CHUNK + t] = hsum(d);
+        }
+    }
+    float alpha[VMAX_ROWS];
+    for (int r = 0; r < R; r++)
+        alpha[r] = softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
+    pv_rows(acc, S, CHUNK, 1, alpha, vp, n_any, R, ND);
+}
+
+/* All rows of a tile over one chunk: groups of up to V_RMAX(D) rows, so that the
+ * accumulators stay in registers. */
+PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float *sum,
+                          const float *const *kp, const float *const *vp, int64_t n,
+                          const int64_t *nv, int64_t M, const int64_t D, const int vec)
+{
+    if (vec) {
+        const int ND = (int)(D / VW), RMAX = V_RMAX(D);
+        for (int64_t m = 0; m < M; m += RMAX) {
+            const int64_t R = M - m < RMAX ? M - m : RMAX;
+#define PA_ROWS(r)                                                                            \
+    case r:                                                                                   \
+        rows_vec(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, r, ND);      \
+        break;
+            switch (R) {
+                PA_ROWS(1)
+                PA_ROWS(2)
+                PA_ROWS(3)
+                PA_ROWS(4)
+            }
+#undef PA_ROWS
+        }
+        return;
+    }
+    for (int64_t m = 0; m < M; m++)
+        rows_generic(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, 1, D);
+}
+
+/* One work item. D and vec are constants at every call: vec (D a multiple of VW, <= 128)
+ * selects the vector paths, which then compile only for the specialized head dims. */
+PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const int64_t D,
+                        const int vec)
+{
+    const int64_t *r = a->reqs + 4 * it->req;
+    const int64_t q_start = r[0], q_len = r[1], seq_len = r[2];
+    const int64_t *table = a->tables + r[3];
+    const int64_t G = a->hq / a->hkv, M = it->qn * G, bs = a->bs;
+    const int elem = a->elem;
+    const int64_t first_pos = seq_len - q_len + it->q0; /* position of the tile's first query */
+    const int64_t kv_end = first_pos + it->qn;         /* keys [0, kv_end) */
+    const int64_t nh = it->nh, rows = nh * M;            /* rows of head i: [i * M, i * M + M) */
+
+    float *restrict Q = ws;
+    float *restrict acc = Q + rows * D;
+    float *restrict mx = acc + rows * D;
+    float *restrict sum = mx + rows;
+    float *restrict S = sum + rows;
+    float *restrict Kf = S + CHUNK * TILE_ROWS;
+    float *restrict Vf = Kf + CHUNK * D;
+    float *restrict Qt = Vf + CHUNK * D;
+    const float *kp[CHUNK], *vp[CHUNK];
+    int64_t nv[TILE_ROWS];
+    /* Prefill tiles of 8+ rows: scores with the rows in the lanes (tile_transposed). */
+    const int transposed = vec && nh == 1 && M >= 8;
+
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t i = m % M, tok = q_start + it->q0 + i / G;
+        const int64_t head = (it->h0 + m / M) * G + i % G;
+        load_row(Q + m * D, a->q + (tok * a->q_st + head * a->q_sh) * elem, D, elem, a->scale);
+        for (int64_t j = 0; j < D; j++)
+            acc[m * D + j] = 0.0f;
+        mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
+        sum[m] = 0.0f;
+    }
+    if (transposed)
+        for (int64_t j = 0; j < D; j++)
+            for (int64_t m = 0; m < TILE_ROWS; m++)
+                Qt[j * TILE_ROWS + m] = m < M ? Q[m * D + j] : 0.0f;
+    const int64_t s_kv = a->c_kv * elem;
+    const int64_t heads_bytes = (nh - 1) * a->c_head * elem + D * elem; /* of one slot */
+    for (int64_t p0 = 0; p0 < kv_end; p0 += CHUNK) {
+        const int64_t n = kv_end - p0 < CHUNK ? kv_end - p0 : CHUNK;
+        /* Slot addresses of this chunk (head h0), block by block. */
+        const char *slot[CHUNK];
+        int64_t blk = p0 / bs, off = p0 % bs;
+        for (int64_t t = 0; t < n; t++) {
+            slot[t] = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
+                                  it->h0 * a->c_head) * elem;
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        /* Prefetch the next chunk's rows: consecutive slots of one head are H_kv * D apart
+         * and blocks are anywhere, a pattern the hardware prefetchers follow poorly. */
+        const int64_t n_next = kv_end - p0 - n < CHUNK ? kv_end - p0 - n : CHUNK;
+        for (int64_t t = 0; t < n_next; t++) {
+            const char *row = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
+                                          it->h0 * a->c_head) * elem;
+            for (int64_t b = 0; b < heads_bytes; b += 64) {
+                __builtin_prefetch(row + b);
+                __builtin_prefetch(row + s_kv + b);
+            }
+            if (++off == bs) {
+                off = 0;
+                blk++;
+            }
+        }
+        /* Causal: the query at position first_pos + i / G sees keys up to itself. */
+        for (int64_t i = 0; i < M; i++) {
+            const int64_t lim = first_pos + i / G - p0 + 1;
+            nv[i] = lim < n ? lim : n;
+        }
+        for (int64_t hh = 0; hh < nh; hh++) {
+            const int64_t hoff = hh * a->c_head * elem;
+            for (int64_t t = 0; t < n; t++) { /* fp32: rows in place; bf16: widened */
+                const char *row = slot[t] + hoff;
+                if (elem == 4) {
+                    kp[t] = (const float *)row;
+                    vp[t] = (const float *)(row + s_kv);
+                } else {
+                    load_row(Kf + t * D, row, D, 2, 1.0f);
+                    load_row(Vf + t * D, row + s_kv, D, 2, 1.0f);
+                    kp[t] = Kf + t * D;
+                    vp[t] = Vf + t * D;
+                }
+            }
+            const int64_t m0 = hh * M;
+            if (transposed)
+                tile_transposed(Qt, acc, S, mx, sum, kp, vp, n, nv, M, (int)(D / VW));
+            else
+                chunk_rows(Q + m0 * D, acc + m0 * D, S, mx + m0, sum + m0, kp, vp, n, nv, M, D,
+                           vec);
+        }
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t i = m % M, tok = q_start + it->q0 + i / G;
+        const int64_t head = (it->h0 + m / M) * G + i % G;
+        char *dst = a->out + (tok * a->o_st + head * a->o_sh) * elem;
+        const float inv = 1.0f / sum[m];
+        const float *restrict o = acc + m * D;
+        if (elem == 4) {
+            float *restrict y = (float *)dst;
+            for (int64_t j = 0; j < D; j++)
+                y[j] = o[j] * inv;
+        } else {
+            uint16_t *restrict y = (uint16_t *)dst;
+            for (int64_t j = 0; j < D; j++)
+                y[j] = f32_to_bf16(o[j] * inv);
+        }
+    }
+}
+
+static void attend_item(const pa_args *a, const pa_item *it, float *ws)
+{
+#ifdef PA_PLAIN_ONLY
+    attend_d(a, it, ws, a->d, 0);
+#else
+    switch (a->d) { /* constant head dims: unrolled, register-resident rows */
+#define PA_HEAD_DIM(d)                                                                        \
+    case d:                                                                                   \
+        attend_d(a, it, ws, d, 1);                                                            \
+        break;
+        PA_HEAD_DIM(64)
+        PA_HEAD_DIM(96)
+        PA_HEAD_DIM(128)
+#undef PA_HEAD_DIM
+    default: /* any other head dim: plain loops */
+        attend_d(a, it, ws, a->d, 0);
+    }
+#endif
+}
+
+#undef V_ND
+#undef V_MV
+#undef V_TB
+#undef V_RMAX
