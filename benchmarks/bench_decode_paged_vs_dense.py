@@ -263,7 +263,8 @@ def markdown(doc: dict) -> str:
         f"Recorded {doc['date']}; heads {doc['dims']['h_q']}/{doc['dims']['h_kv']} x "
         f"{doc['dims']['d']} (small preset), block size {doc['dims']['bs']}, paged caches "
         f"with {doc['dims']['layers']} layers per block, shuffled block tables. Kernel: "
-        f"{info.get('isa')}, OpenMP {info.get('openmp')}. Load average (1/5/15 min) at start "
+        f"{info.get('isa')} paths (CPU: {info.get('cpu_isa')}), OpenMP {info.get('openmp')}. "
+        "Load average (1/5/15 min) at start "
         f"{doc['load_start']}, at end {doc['load_end']}.",
         "",
         machine_markdown(doc["machine"]),
@@ -317,10 +318,16 @@ def main() -> None:
     ap.add_argument("--step-contexts", default="2048", help="model step contexts (part 3)")
     ap.add_argument("--calls", type=int, default=15, help="timed calls per variant and cell")
     ap.add_argument("--model-dir", default=None, help="reuse a small-preset model directory")
+    ap.add_argument("--isa", default=None, help="kernel paths: avx512 | avx2 | baseline")
     ap.add_argument("--out", default="benchmarks/results/decode_paged_vs_dense")
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.prefill, args.step_contexts, args.calls = "256", "128:32", "", 3
+    if args.isa:
+        from kvserve.engine.attention import _paged_attention
+
+        if _paged_attention.set_isa(args.isa) != args.isa:
+            raise SystemExit(f"this CPU cannot run the kernel's {args.isa} paths")
     model_dir = args.model_dir or make_model(Path(tempfile.mkdtemp()) / "small", "small")
     load = lambda: " ".join(f"{x:.1f}" for x in os.getloadavg())  # noqa: E731
     doc: dict = {

@@ -289,3 +289,22 @@ def test_auto_backend_uses_the_kernel_only_where_it_is_fast():
     assert not backend.supports(q, k, v, cache[:, layer])
     cache, layer, meta_args, q, k, v, _, _ = make_case(7, [(30, 1)], 4, 2, 64, 4, torch.float32)
     assert backend.supports(q, k, v, cache[:, layer]) == NATIVE_FAST
+
+
+def test_auto_on_avx2_leaves_prefill_steps_to_torch(monkeypatch):
+    """On AVX2 ``auto`` runs the kernel for decode-only steps; a step with a prefill goes to
+    the torch backend whole (its AVX2 prefill is slower than torch's)."""
+    from kvserve.engine.attention import native_backend
+
+    monkeypatch.setattr(native_backend, "ISA", "avx2")
+    monkeypatch.setattr(native_backend, "FAST", True)
+    case = make_case(8, [(40, 1), (30, 12)], 8, 2, 64, 16, torch.float32)
+    cache, layer, meta_args, q, k, v, _, _ = case
+    c_auto, c_torch = cache.clone(), cache.clone()
+    out = NativeAttentionBackend(fast_only=True).forward(
+        q, k, v, c_auto[:, layer], AttentionMetadata.build(**meta_args), 0.125
+    )
+    ref = TorchAttentionBackend().forward(
+        q, k, v, c_torch[:, layer], AttentionMetadata.build(**meta_args), 0.125
+    )
+    assert torch.equal(out, ref) and torch.equal(c_auto, c_torch)
