@@ -30,10 +30,11 @@ from kvserve.model.loader import load_model, resolve_device, resolve_dtype
 # Cores left to the rest of the process on CPU engines (from RESERVE_FROM_CORES usable cores
 # on): the server's event loop (HTTP, detokenizing) and the engine thread's Python between ops,
 # its tokenizer process, the offload and storage threads. torch splits each op evenly over its
-# threads, so one that shares its core with them holds up every op. On the 2-core dev box
-# (loaded by other jobs) the throughput benchmark ran 2x faster in fp32 with 1 torch thread
-# than with 2 (378 vs 187-194 tok/s; bf16: 932 vs 880), as vLLM's CPU build also reserves one
-# core (it ran 1 thread here).
+# threads, so one that shares its core with them holds up every op; vLLM's CPU build reserves
+# one core the same way. On the shared 2-core dev box, back to back, the throughput benchmark
+# (small preset, HTTP) ran bf16 at 983 / 1264 tok/s with 1 torch thread and 964 / 924 with 2;
+# fp32 (compute-bound, GEMMs 3.5x slower) at 321 with 1 and 440 with 2: there
+# ``--num-threads 2`` pays.
 RESERVED_CORES = 1
 RESERVE_FROM_CORES = 2
 
