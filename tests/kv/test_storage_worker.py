@@ -181,3 +181,22 @@ def test_bad_settings_are_refused(tiers) -> None:
         StorageWorker(tiers[:1], writer_policy="fast")
     with pytest.raises(ValueError, match="write_duty"):
         StorageWorker(tiers[:1], write_duty=0.0)
+
+
+def test_a_write_that_raises_leaves_the_pending_count(tiers, make_worker, monkeypatch) -> None:
+    """A tier bug mid-write is a miss for those chunks and gives their room in the write
+    queue back: before, the pending count kept them forever and, once full, every later
+    write was dropped."""
+    fs = tiers[1]
+    w = make_worker([fs], max_pending_writes=4)
+
+    def broken_put(*args: Any, **kwargs: Any) -> list[bool]:
+        raise RuntimeError("tier bug")
+
+    monkeypatch.setattr(fs, "put", broken_put)
+    keys, payloads = chunks(4)
+    assert wait_result(w, w.write(keys, payloads)).ok == []
+    monkeypatch.undo()
+    op = w.write(keys, payloads)
+    assert op is not None, "the failed write's chunks still count against the queue"
+    assert wait_result(w, op).ok == [True] * 4 and fs.exists(keys) == 4

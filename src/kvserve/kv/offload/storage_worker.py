@@ -205,12 +205,19 @@ class StorageWorker:
             self._pending_write_chunks += n
         op = next(self._ids)
         keys, payloads = list(keys), list(payloads)
-        self._start(self._writes, op, "write", lambda: self._write(op, keys, payloads))
+        self._start(self._writes, op, "write", lambda: self._write(op, keys, payloads), n)
         return op
 
     def _start(
-        self, pool: ThreadPoolExecutor, op: int, kind: str, fn: Callable[[], StorageResult]
+        self,
+        pool: ThreadPoolExecutor,
+        op: int,
+        kind: str,
+        fn: Callable[[], StorageResult],
+        write_chunks: int = 0,
     ) -> None:
+        """Run ``fn`` on ``pool``; its result (or, when it raises, an empty one: all misses)
+        is queued for :meth:`poll`. ``write_chunks`` leave the pending-write count either way."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("storage worker is shut down")
@@ -226,8 +233,7 @@ class StorageWorker:
             result.seconds = time.perf_counter() - t0
             with self._cond:
                 self._inflight -= 1
-                if kind == "write":
-                    self._pending_write_chunks -= len(result.ok)
+                self._pending_write_chunks -= write_chunks
                 self._results.append(result)
                 self._cond.notify_all()
 
