@@ -165,9 +165,14 @@ PA_INLINE void tile_transposed(const float *restrict Qt, float *restrict acc,
     }
 }
 
+/* R rows (a decode's grouped heads) over one chunk, scores as dot products. ``pf``: rows of
+ * the next chunk (their K; V is ``pf_kv`` bytes on) prefetched one per key as the scores go,
+ * so the loads overlap with the math (fp32 rows are used in place, with no widening loop to
+ * hide them in); ``n_pf`` 0: none. */
 PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *restrict S,
                         float *mx, float *sum, const float *const *kp, const float *const *vp,
-                        int64_t n, const int64_t *nv, const int R, const int ND)
+                        int64_t n, const int64_t *nv, const int R, const int ND,
+                        const char *const *pf, int64_t n_pf, int64_t pf_kv)
 {
     const int D = ND * VW;
     vf q[VMAX_ROWS][V_ND];
@@ -180,6 +185,11 @@ PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *res
     if (n_any <= 0)
         return;
     for (int64_t t = 0; t < n_any; t++) {
+        if (t < n_pf)
+            for (int j = 0; j < ND * VW * 4; j += 64) {
+                __builtin_prefetch(pf[t] + j);
+                __builtin_prefetch(pf[t] + pf_kv + j);
+            }
         vf k[V_ND];
         for (int j = 0; j < ND; j++)
             k[j] = vload(kp[t] + VW * j);
@@ -200,7 +210,8 @@ PA_INLINE void rows_vec(const float *restrict Q, float *restrict acc, float *res
  * accumulators stay in registers. */
 PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float *sum,
                           const float *const *kp, const float *const *vp, int64_t n,
-                          const int64_t *nv, int64_t M, const int64_t D, const int vec)
+                          const int64_t *nv, int64_t M, const int64_t D, const int vec,
+                          const char *const *pf, int64_t n_pf, int64_t pf_kv)
 {
     if (vec) {
         const int ND = (int)(D / VW), RMAX = V_RMAX(D);
@@ -208,7 +219,8 @@ PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float
             const int64_t R = M - m < RMAX ? M - m : RMAX;
 #define PA_ROWS(r)                                                                            \
     case r:                                                                                   \
-        rows_vec(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, r, ND);      \
+        rows_vec(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, r, ND, pf,   \
+                 m == 0 ? n_pf : 0, pf_kv);                                                   \
         break;
             switch (R) {
                 PA_ROWS(1)
@@ -265,7 +277,6 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
             for (int64_t m = 0; m < TILE_ROWS; m++)
                 Qt[j * TILE_ROWS + m] = m < M ? Q[m * D + j] : 0.0f;
     const int64_t s_kv = a->c_kv * elem;
-    const int64_t heads_bytes = (nh - 1) * a->c_head * elem + D * elem; /* of one slot */
     for (int64_t p0 = 0; p0 < kv_end; p0 += CHUNK) {
         const int64_t n = kv_end - p0 < CHUNK ? kv_end - p0 : CHUNK;
         /* Slot addresses of this chunk (head h0), block by block. */
@@ -279,16 +290,16 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
                 blk++;
             }
         }
-        /* Prefetch the next chunk's rows: consecutive slots of one head are H_kv * D apart
-         * and blocks are anywhere, a pattern the hardware prefetchers follow poorly. */
+        /* The next chunk's slots, prefetched below head by head while this chunk's rows are
+         * widened and used: consecutive slots of one head are H_kv * D apart and blocks are
+         * anywhere, a pattern the hardware prefetchers follow poorly, and a burst of all of a
+         * chunk's prefetches at once stalls on the line fill buffers instead of overlapping
+         * with the math. */
         const int64_t n_next = kv_end - p0 - n < CHUNK ? kv_end - p0 - n : CHUNK;
+        const char *next[CHUNK];
         for (int64_t t = 0; t < n_next; t++) {
-            const char *row = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
-                                          it->h0 * a->c_head) * elem;
-            for (int64_t b = 0; b < heads_bytes; b += 64) {
-                __builtin_prefetch(row + b);
-                __builtin_prefetch(row + s_kv + b);
-            }
+            next[t] = a->cache + (table[blk] * a->c_blk + off * a->c_slot +
+                                  it->h0 * a->c_head) * elem;
             if (++off == bs) {
                 off = 0;
                 blk++;
@@ -301,8 +312,18 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
         }
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t hoff = hh * a->c_head * elem;
+            /* fp32 decode rows: prefetched inside the score loop (rows_vec). */
+            const int pf_in_rows = elem == 4 && vec && !transposed;
+            const char *pf[CHUNK];
+            for (int64_t t = 0; pf_in_rows && t < n_next; t++)
+                pf[t] = next[t] + hoff;
             for (int64_t t = 0; t < n; t++) { /* fp32: rows in place; bf16: widened */
                 const char *row = slot[t] + hoff;
+                if (t < n_next && !pf_in_rows)
+                    for (int64_t b = 0; b < D * elem; b += 64) {
+                        __builtin_prefetch(next[t] + hoff + b);
+                        __builtin_prefetch(next[t] + hoff + s_kv + b);
+                    }
                 if (elem == 4) {
                     kp[t] = (const float *)row;
                     vp[t] = (const float *)(row + s_kv);
@@ -318,7 +339,7 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
                 tile_transposed(Qt, acc, S, mx, sum, kp, vp, n, nv, M, (int)(D / VW));
             else
                 chunk_rows(Q + m0 * D, acc + m0 * D, S, mx + m0, sum + m0, kp, vp, n, nv, M, D,
-                           vec);
+                           vec, pf, pf_in_rows ? n_next : 0, s_kv);
         }
     }
     for (int64_t m = 0; m < rows; m++) {
