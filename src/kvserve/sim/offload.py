@@ -75,6 +75,21 @@ class SimTransferWorker:
             self._link_free[job.is_store] = end
             self._jobs[job.job_id] = [start, end, job, modelled, False]
 
+    def submit_many(self, jobs: Iterable[TransferJob]) -> None:
+        for job in jobs:
+            self.submit(job)
+
+    def has_results(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            return any(e[1] <= now for e in self._jobs.values())
+
+    def forward_begins(self) -> None:
+        """Nothing to schedule around: a modelled transfer takes no engine CPU."""
+
+    def forward_ends(self) -> None:
+        """See :meth:`forward_begins`."""
+
     def poll(self) -> list[TransferResult]:
         now = time.monotonic()
         out = []
