@@ -56,8 +56,9 @@ class Sampler:
         raw = logits
         logits = self._apply_min_tokens(logits, rows)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        # All greedy: one argmax, no copies (argmax is exact in any dtype).
-        sampled = self._sample_random(logits, rows, rand) if rand else logits.argmax(dim=-1)
+        # All greedy: one argmax (exact in any dtype: the same first maximum in fp32, where
+        # CPU argmax is ~5x faster than over bf16 / fp16).
+        sampled = self._sample_random(logits, rows, rand) if rand else _argmax(logits)
         token_ids = sampled.tolist()
         logprobs: list[Logprobs | None] = [None] * n
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -125,6 +126,13 @@ class Sampler:
                     logits, masked = logits.clone(), True
                 logits[i, stop] = float("-inf")
         return logits
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax; half-precision logits on the CPU are widened first (same indices)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

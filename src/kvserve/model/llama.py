@@ -140,15 +140,20 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(t, self.num_kv_heads, d)
         cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is None:
+            # q and k side by side in each row: one RoPE over their heads together (half the
+            # ops; q and k come out as views of one tensor, as the backends accept).
+            qk = apply_rope(qkv[:, :qk_size].view(t, h + self.num_kv_heads, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, d))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = windowed_attention(self.backend, self.window, q, k, v, kv_cache[:, self.layer_idx],
                                meta, self.scale)  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
@@ -182,7 +187,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer
 
 
 class DecoderLayer(nn.Module):
@@ -202,8 +207,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Residuals added into the sublayers' fresh outputs (no new [T, hidden] buffers).
+        x = self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class LlamaForCausalLM(nn.Module):
