@@ -14,6 +14,10 @@ Runs, one after another (never two engines at once, so each has the whole machin
 3. ``vllm-http`` (with ``--vllm-venv``): that virtualenv's ``vllm.entrypoints.openai.api_server``
    on the same model directory, the same requests, the same client.
 
+``--base-src DIR`` adds ``kvserve-base-http`` before run 2: the same server started from another
+source tree (``DIR/src`` first on ``PYTHONPATH``, e.g. a ``git worktree`` of an older commit
+with its extensions built), for before / after ratios measured in the same run.
+
 Writes ``throughput_<date>.md`` / ``.json`` / ``.png`` to ``--out`` (default
 ``benchmarks/results``) with the machine description; ratios are against ``vllm-http`` when it
 ran, else against ``kvserve-offline``. vLLM is never installed by this script.
@@ -126,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kvserve-args", default="", help="extra flags of `kvserve serve`")
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-http", action="store_true", help="skip kvserve's HTTP run")
+    p.add_argument(
+        "--base-src", default=None, help="another kvserve tree: its HTTP run first (before/after)"
+    )
     p.add_argument("--vllm-venv", default=None, help="virtualenv with vLLM's CPU build")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's api_server")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
@@ -191,13 +198,25 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run)
         print(markdown_table([run.summary]), flush=True)
 
-    if not args.skip_http:
-        port = _free_port()
+    def kvserve_argv(port: int) -> list[str]:
         argv = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir)]
         argv += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]
         for k, v in kv_engine.items():
             argv += ["--" + k.replace("_", "-"), str(v)]
-        argv += shlex.split(args.kvserve_args)
+        return argv + shlex.split(args.kvserve_args)
+
+    if args.base_src:
+        src = str(Path(args.base_src).resolve() / "src")
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+        port = _free_port()
+        argv = kvserve_argv(port)
+        with ServerProcess("kvserve-base", argv, port, env) as server:
+            extra = {"argv": argv, "engine": kv_engine, "src": src}
+            measure(server, "kvserve-base-http", extra)
+
+    if not args.skip_http:
+        port = _free_port()
+        argv = kvserve_argv(port)
         with ServerProcess("kvserve", argv, port) as server:
             measure(server, "kvserve-http", {"argv": argv, "engine": kv_engine})
 
