@@ -197,3 +197,26 @@ def test_an_answer_with_a_length_is_released_at_its_headers_and_its_body_skipped
         assert epp.endpoint_at(first).in_flight == 0  # the engine has finished it
 
     asyncio.run(run())
+
+
+def test_the_answer_of_a_fallback_list_is_built_once_and_never_changed():
+    """The pick's messages (header mutation, ``envoy.lb`` metadata) are cached per fallback
+    list: no protobuf building per request, and a later answer (a response header, a mode
+    override) does not leak into the cached one."""
+
+    async def run() -> None:
+        epp = _picker()
+        answers = []
+        for _ in range(2):
+            s = ExtProcStream(epp)
+            await s.handle(_headers())
+            out = await s.handle(_body(BODY, True))
+            first = _destination(out).split(",")[0]
+            (resp,) = await s.handle(_served(first, length=True))
+            assert resp.response_headers.response.header_mutation.set_headers
+            answers.append(out[0])
+        assert answers[0] is answers[1]  # the same prebuilt headers response
+        assert not answers[0].HasField("mode_override")
+        assert _destination(answers[:1]).count(",") == 1  # both endpoints, in order
+
+    asyncio.run(run())

@@ -76,6 +76,15 @@ _SKIP_RESPONSE_BODY = _Mode(response_body_mode=NONE, response_trailer_mode=_Mode
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 _COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+# Constant answers, built once (grpcio serializes what it is given; nothing mutates these).
+_REQUEST_HEADERS_CONTINUE = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(response=_CONTINUE)
+)
+_REQUEST_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))
+_RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse(response=_CONTINUE))
+_REQUEST_TRAILERS_CONTINUE = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_RESPONSE_TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+_PICK_CACHE_SIZE = 4096  # distinct fallback lists kept built (few: orders of a few endpoints)
 
 
 def _header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -110,9 +119,11 @@ def immediate(
 
 
 class Pick:
-    """The answer: the ordered fallback list as a header mutation and ``envoy.lb`` metadata."""
+    """The answer: the ordered fallback list as a header mutation and ``envoy.lb`` metadata,
+    and the headers response that carries both (built once per distinct list: see
+    :meth:`of`)."""
 
-    __slots__ = ("value", "mutation", "metadata")
+    __slots__ = ("value", "mutation", "metadata", "headers_response")
 
     def __init__(self, addresses: list[str], auth: tuple[bytes, bytes] | None = None) -> None:
         self.value = ",".join(addresses)
@@ -121,7 +132,42 @@ class Pick:
             headers.append(_header_value("authorization", auth[1].decode("latin-1")))
         self.mutation = pb.HeaderMutation(set_headers=headers)
         self.metadata = struct_pb2.Struct()
-        self.metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: self.value}})
+        lb = self.metadata.fields[LB_NAMESPACE].struct_value
+        lb.fields[DESTINATION_HEADER].string_value = self.value
+        self.headers_response = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=self.mutation)
+            ),
+            dynamic_metadata=self.metadata,
+        )
+
+    @classmethod
+    def of(cls, addresses: list[str], auth: tuple[bytes, bytes] | None = None) -> Pick:
+        """The (cached) Pick of this fallback list: the protobuf messages of an answer are
+        built once per distinct list, not per request."""
+        key = (*addresses, auth)
+        pick = _PICKS.get(key)
+        if pick is None:
+            if len(_PICKS) >= _PICK_CACHE_SIZE:
+                _PICKS.clear()
+            pick = _PICKS[key] = cls(addresses, auth)
+        return pick
+
+
+_PICKS: dict[tuple, Pick] = {}
+_SERVED_MUTATIONS: dict[str, pb.HeaderMutation] = {}
+
+
+def _served_mutation(name: str) -> pb.HeaderMutation:
+    """The response header naming the endpoint that served (built once per endpoint)."""
+    mutation = _SERVED_MUTATIONS.get(name)
+    if mutation is None:
+        if len(_SERVED_MUTATIONS) >= _PICK_CACHE_SIZE:
+            _SERVED_MUTATIONS.clear()
+        mutation = _SERVED_MUTATIONS[name] = pb.HeaderMutation(
+            set_headers=[_header_value(ENDPOINT_RESPONSE_HEADER, name)]
+        )
+    return mutation
 
 
 class ExtProcStream:
@@ -153,9 +199,10 @@ class ExtProcStream:
             self.request_mode = cfg.request_body_mode
             self.response_mode = cfg.response_body_mode
             self.body_early = cfg.send_body_without_waiting_for_header_response
-        hint = _subset_hint(msg)
-        if hint is not None:  # (Envoy may send the metadata with the headers only)
-            self.subset = hint
+        if msg.HasField("metadata_context"):
+            hint = _subset_hint(msg)
+            if hint is not None:  # (Envoy may send the metadata with the headers only)
+                self.subset = hint
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             return await self._request_headers(msg)
@@ -165,14 +212,14 @@ class ExtProcStream:
             out = []
             if not self.picked:
                 out = await self._finish_request(end_of_stream=False)
-            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            return [*out, _REQUEST_TRAILERS_CONTINUE]
         if kind == "response_headers":
             return self._response_headers(msg)
         if kind == "response_body":
             return self._response_body(msg.response_body)
         if kind == "response_trailers":
             self.release()
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+            return [_RESPONSE_TRAILERS_CONTINUE]
         return []
 
     async def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -198,16 +245,16 @@ class ExtProcStream:
             if isinstance(result, pb.ProcessingResponse):
                 return [result]
             self.headers_answered = True
-            return [self._headers_response(result)]
+            return [result.headers_response]
         if deferred:
             return []
         self.headers_answered = True  # BUFFERED: held by Envoy until the body's answer
-        return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=_CONTINUE))]
+        return [_REQUEST_HEADERS_CONTINUE]
 
     async def _request_body(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         b = msg.request_body
         if self.picked:  # STREAMED after a pick on headers: pass the chunk on
-            return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))]
+            return [_REQUEST_BODY_CONTINUE]
         if b.body:
             self.body.append(b.body)
             self.body_len += len(b.body)
@@ -240,26 +287,14 @@ class ExtProcStream:
                 )
             ]
         self.headers_answered = True
-        out = [self._headers_response(result)]
+        out = [result.headers_response]
         if self.request_mode == FULL_DUPLEX:
             out += _echo(data, end_of_stream, request=True)
         else:  # STREAMED: continue every chunk as it came
-            out += [
-                pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))
-                for _ in range(self.chunks)
-            ]
+            out += [_REQUEST_BODY_CONTINUE] * self.chunks
         self.body = []
         self.chunks = 0
         return out
-
-    @staticmethod
-    def _headers_response(pick: Pick) -> pb.ProcessingResponse:
-        return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=pick.mutation)
-            ),
-            dynamic_metadata=pick.metadata,
-        )
 
     async def _pick(self, data: bytes) -> Pick | pb.ProcessingResponse:
         """Ask the scheduling core; a :class:`Pick`, or an immediate error response."""
@@ -326,7 +361,7 @@ class ExtProcStream:
         self.t_pick = time.perf_counter()
         metrics.decisions_of(decision.reason).inc()
         metrics.routing_time.observe(self.t_pick - t0)
-        return Pick([epp.address_of(e) for e in ranked], first.auth_header)
+        return Pick.of([epp.address_of(e) for e in ranked], first.auth_header)
 
     # ------------------------------------------------------------------ response path
 
@@ -352,9 +387,7 @@ class ExtProcStream:
             served.answered_at = time.monotonic()
             core.metrics.requests_of(served.name, status).inc()
             core.metrics.first_byte_of(served.name).observe(time.perf_counter() - self.t_pick)
-            mutation = pb.HeaderMutation(
-                set_headers=[_header_value(ENDPOINT_RESPONSE_HEADER, served.name)]
-            )
+            mutation = _served_mutation(served.name)
         out = pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)
@@ -411,7 +444,7 @@ class ExtProcStream:
             self.release()
         if self.response_mode == FULL_DUPLEX:
             return _echo(b.body, b.end_of_stream, request=False)
-        return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=_CONTINUE))]
+        return [_RESPONSE_BODY_CONTINUE]
 
     def release(self) -> None:
         """Give back the in-flight count (idempotent: response end, or stream end/break)."""
