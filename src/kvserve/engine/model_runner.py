@@ -26,6 +26,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model, resolve_device, resolve_dtype
+from kvserve.model.packed_linear import pack_linears
 
 # Cores left to the rest of the process on CPU engines (from RESERVE_FROM_CORES usable cores
 # on): the server's event loop (HTTP, detokenizing) and the engine thread's Python between ops,
@@ -82,6 +83,9 @@ class ModelRunner:
         self.model = load_model(
             config.model, dtype=self.dtype, device=self.device, config=self.model_config
         )
+        # fp32 projections through oneDNN's packed GEMM (load_model leaves fp32 on torch's
+        # BLAS, bitwise transformers): 1.75-2x faster on the dev box, logits within ~1e-5.
+        pack_linears(self.model, fp32=True)
         self.attn_backend = self._pick_attention_backend()
         set_attention_backend(self.model, self.attn_backend)
         self.sampler = Sampler(config.seed)

@@ -1,11 +1,15 @@
 """Linear layers whose weights are packed once for oneDNN: bf16 / fp16 on CPUs with native
-units.
+units (at load), fp32 when the model runner asks (``pack_linears(model, fp32=True)``).
 
 torch's bf16 ``F.linear`` on CPU calls oneDNN with the plain ``[out, in]`` weight, which oneDNN
 reorders into its blocked layout on every call; for a decode step (a few activation rows) that
 reorder is most of the time. Packing at load removes it (a decode GEMV here: 2x faster), with
-outputs bitwise equal to ``F.linear``'s (the same oneDNN kernel runs). fp32 keeps torch's own
-GEMM, the path compared exactly with transformers.
+outputs bitwise equal to ``F.linear``'s (the same oneDNN kernel runs). fp32 ``F.linear`` runs
+torch's BLAS GEMM instead, which on the AMD EPYC dev box (AVX-512) took 1.75x oneDNN's packed
+time at 2048 x 768 x 4608 (145 vs 83 ms, 1 thread) and 2x at 32 rows; packed fp32 sums in
+another order (logits within ~1e-5 of transformers', inside the HF-parity tests' 2e-4), so
+``load_model`` keeps torch's GEMM for fp32 (bitwise what transformers computes) and the engine's
+model runner packs fp32 models after loading.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from torch import nn
 PACKED_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
 
-def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+def can_pack(dtype: torch.dtype, device: torch.device, fp32: bool = False) -> bool:
     """Whether :class:`PackedLinear` serves ``dtype`` on ``device``: CPU, oneDNN built in, and
-    the CPU multiplies ``dtype`` natively (emulated bf16 is slower than fp32)."""
+    a half type the CPU multiplies natively (emulated bf16 is slower than fp32), or fp32 when
+    ``fp32`` is set."""
     from kvserve.model.loader import cpu_has_native_bf16, cpu_has_native_fp16
 
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -29,7 +34,7 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         return cpu_has_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if dtype == torch.float16:
         return cpu_has_native_fp16() and torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
+    return fp32 and dtype == torch.float32
 
 
 class PackedLinear(nn.Module):
@@ -60,12 +65,13 @@ class PackedLinear(nn.Module):
 
 
 @torch.inference_mode()
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, fp32: bool = False) -> int:
     """Replace the projections named in :data:`PACKED_NAMES` of every submodule of ``model``
-    by :class:`PackedLinear` when :func:`can_pack` allows it (a tied LM head gets a packed copy
-    of the embedding). Returns how many were packed; the plain weights are released."""
+    by :class:`PackedLinear` when :func:`can_pack` allows it (``fp32``: fp32 models too; a tied
+    LM head gets a packed copy of the embedding). Returns how many were packed; the plain
+    weights are released."""
     emb = getattr(model, "embed_tokens", None)
-    if emb is None or not can_pack(emb.weight.dtype, emb.weight.device):
+    if emb is None or not can_pack(emb.weight.dtype, emb.weight.device, fp32):
         return 0
     count = 0
     for module in list(model.modules()):
