@@ -115,7 +115,10 @@ async def serve_null_processor(port: int, destination: str) -> None:
 
 
 async def _measure(
-    args, urls_of: dict[str, list[str]], pids: dict[str, dict[str, int]]
+    args,
+    urls_of: dict[str, list[str]],
+    pids: dict[str, dict[str, int]],
+    ext_proc_stats: dict[str, Envoy],
 ) -> list[dict]:
     rows = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -127,9 +130,11 @@ async def _measure(
             errors = dict.fromkeys(urls_of, 0)
             cpu = {name: 0.0 for procs in pids.values() for name in procs}
             n = dict.fromkeys(urls_of, 0)
+            msgs = {arm: [0, 0] for arm in ext_proc_stats}  # ext_proc messages to / from
             for k in range(args.blocks):
                 for arm, urls in urls_of.items():
                     procs = pids.get(arm, {})
+                    m0 = _ext_proc_msgs(ext_proc_stats.get(arm))
                     c0 = {name: sum(overhead.proc_cpu_s(pid)) for name, pid in procs.items()}
                     got, err = await overhead.run_phase(s, urls, rate, args.block_s, 1000 * k)
                     for name, pid in procs.items():  # CPU of the processes on this arm's path
@@ -137,6 +142,10 @@ async def _measure(
                     n[arm] += len(got) + err
                     lat[arm].extend(got)
                     errors[arm] += err
+                    if arm in msgs:
+                        m1 = _ext_proc_msgs(ext_proc_stats[arm])
+                        msgs[arm][0] += m1[0] - m0[0]
+                        msgs[arm][1] += m1[1] - m0[1]
             row: dict = {"rate": rate, "errors": errors, "loadavg_1m": os.getloadavg()[0]}
             for arm, xs in lat.items():
                 row[f"requests_{arm}"] = len(xs)
@@ -150,9 +159,22 @@ async def _measure(
             for arm, procs in pids.items():
                 for name in procs:
                     row[f"{name}_cpu_ms_per_request"] = 1e3 * cpu[name] / max(n[arm], 1)
+            for arm, (sent, received) in msgs.items():  # Envoy's own ext_proc counters
+                row[f"{arm}_msgs_to_processor_per_request"] = sent / max(n[arm], 1)
+                row[f"{arm}_msgs_from_processor_per_request"] = received / max(n[arm], 1)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def _ext_proc_msgs(envoy: Envoy | None) -> tuple[int, int]:
+    """Envoy's ext_proc messages sent to / received from the processor so far."""
+    if envoy is None:
+        return 0, 0
+    st = envoy.stats("http.epp.ext_proc.")
+    return st.get("http.epp.ext_proc.stream_msgs_sent", 0), st.get(
+        "http.epp.ext_proc.stream_msgs_received", 0
+    )
 
 
 def run_overhead(args, workdir: Path) -> list[dict]:
@@ -212,7 +234,8 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         }
         all_cpus = os.sched_getaffinity(0)
         try:
-            return asyncio.run(_measure(args, urls_of, pids))
+            ext_proc_stats = {"envoy_epp": envoy, "envoy_null": envoy_null}
+            return asyncio.run(_measure(args, urls_of, pids, ext_proc_stats))
         finally:
             os.sched_setaffinity(0, all_cpus)
     finally:
@@ -310,6 +333,13 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"path {r['router_cpu_ms_per_request']:.2f} ms; "
                 f"Envoy {r['envoy_cpu_ms_per_request']:.2f} ms. The null processor adds p50 "
                 f"{r['null_added_p50_ms']:.2f} ms, p99 {r['null_added_p99_ms']:.2f} ms by itself."
+            )
+            verdict.append(
+                "- ext_proc messages per request (Envoy's counters), to / from the EPP: "
+                f"{r['envoy_epp_msgs_to_processor_per_request']:.2f} / "
+                f"{r['envoy_epp_msgs_from_processor_per_request']:.2f}; to / from the null "
+                f"processor: {r['envoy_null_msgs_to_processor_per_request']:.2f} / "
+                f"{r['envoy_null_msgs_from_processor_per_request']:.2f}."
             )
     if qual:
         h, e = qual["http_router"], qual["envoy_epp"]

@@ -398,7 +398,8 @@ class ExtProcStream:
         elif length and not event_stream:
             # An answer with a length comes from an engine that has finished the request:
             # release now, and ask Envoy (``allow_mode_override``) not to send its body
-            # through here: one message less each way.
+            # through here: one message less each way where Envoy honours it (its counters
+            # show the body still comes with a FULL_DUPLEX_STREAMED request: it is continued).
             if self.response_mode != NONE:
                 out.mode_override.CopyFrom(_SKIP_RESPONSE_BODY)
             self.release()
