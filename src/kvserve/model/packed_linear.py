@@ -41,11 +41,13 @@ class PackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` held in oneDNN's blocked layout (an opaque tensor: there is
     no ``weight`` attribute to read back)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 1
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # The batch-size hint only picks the blocking; any number of rows runs.
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer(
             "bias", None if bias is None else bias.detach().clone(), persistent=False
@@ -53,7 +55,7 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
+        return cls(linear.weight, linear.bias, batch_hint(linear.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(
@@ -62,6 +64,13 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def batch_hint(dtype: torch.dtype) -> int:
+    """oneDNN's batch-size hint for packing: 32 for fp32 (a 32-row decode GEMM 1.35x faster
+    than with hint 1 on the dev box, 2048 rows the same), 1 for half types (no difference
+    measured; their outputs are checked bitwise against ``F.linear`` with it)."""
+    return 32 if dtype == torch.float32 else 1
 
 
 @torch.inference_mode()
@@ -81,6 +90,6 @@ def pack_linears(model: nn.Module, fp32: bool = False) -> int:
                 setattr(module, name, PackedLinear.from_linear(child))
                 count += 1
     if hasattr(model, "lm_head") and model.lm_head is None:  # tied embeddings
-        model.lm_head = PackedLinear(emb.weight)
+        model.lm_head = PackedLinear(emb.weight, batch_hint=batch_hint(emb.weight.dtype))
         count += 1
     return count
