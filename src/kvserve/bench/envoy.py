@@ -66,7 +66,10 @@ def find_envoy() -> str | None:
 @dataclass
 class EnvoySpec:
     epp_address: tuple[str, int]  # the EPP's gRPC (ext_proc) host and port
-    request_body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED, STREAMED
+    # BUFFERED: the least ext_proc messages per request (3 each way: Envoy honours the EPP's
+    # mode override there, not under FULL_DUPLEX_STREAMED: 5 to / 4 from the EPP; see
+    # benchmarks/results/epp.md); FULL_DUPLEX_STREAMED and STREAMED work too.
+    request_body_mode: str = "BUFFERED"
     response_body_mode: str = "STREAMED"  # the EPP sees the end of each response
     failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
     message_timeout_s: float = 10.0  # per ext_proc message (a loaded CI box tokenizes slowly)
