@@ -137,11 +137,15 @@ def test_bad_request_raises_and_engine_keeps_serving(aengine: AsyncEngine):
         with pytest.raises(ValueError):
             async for _ in aengine.generate([], _greedy(1), "empty"):
                 pass
-        stream = await aengine.add_request("dup", PROMPTS[1], _greedy(2))
+        # Long enough to still run when the duplicate comes (a 2-token request could finish
+        # first on a fast engine), then aborted.
+        stream = await aengine.add_request("dup", PROMPTS[1], _greedy(150))
         with pytest.raises(KeyError):
             await aengine.add_request("dup", PROMPTS[1], _greedy(2))
+        await aengine.abort("dup")
         outs = [o async for o in stream]
-        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 2
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert len(outs[-1].outputs[0].token_ids) < 150
         # The id is free again once finished.
         outs = [o async for o in aengine.generate(PROMPTS[1], _greedy(2), "dup")]
         assert outs[-1].finished
@@ -158,6 +162,12 @@ def test_abort_by_id_ends_the_stream(aengine: AsyncEngine):
         first = await stream.__anext__()
         assert not first.finished
         await aengine.abort("abort-me")
+        # The stream ends with the aborted request's final output (it used to stay open).
+        rest = [o async for o in stream]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        assert rest[-1].outputs[0].token_ids[: len(first.outputs[0].token_ids)] == (
+            first.outputs[0].token_ids
+        )
         await _wait_idle(aengine)
         await aengine.abort("abort-me")  # unknown by now: a no-op
 

@@ -296,13 +296,17 @@ class AsyncEngine:
                 else:
                     _call(stream.loop, _resolve, stream.accepted, None)
             else:
-                ids = [rid for rid in payload if rid in self._streams]
-                if not ids:
-                    continue
-                self.engine.abort_request(ids)
                 with self._cond:
-                    for rid in ids:
-                        self._streams.pop(rid, None)
+                    doomed = {rid: self._streams[rid] for rid in payload if rid in self._streams}
+                if not doomed:
+                    continue
+                # Each stream ends with its request's final output; once a consumer has seen
+                # it, the id may be taken again at once: only the aborted streams go.
+                self._dispatch(self.engine.abort_request(list(doomed)))
+                with self._cond:
+                    for rid, stream in doomed.items():
+                        if self._streams.get(rid) is stream:
+                            del self._streams[rid]
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}

@@ -206,12 +206,18 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return request_id
 
-    def abort_request(self, request_ids: Iterable[str]) -> None:
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort unfinished requests; returns each one's final output (``finish_reason``
+        ``"abort"``, the tokens and text produced so far)."""
         ids = [r for r in request_ids if r in self._states]
-        if ids:
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            for rid in ids:
-                self._states.pop(rid, None)
+        if not ids:
+            return []
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        outs = []
+        for rid in ids:
+            st = self._states.pop(rid)
+            outs.append(self._request_output(st, st.request, [], "", True))
+        return outs
 
     def has_unfinished_requests(self) -> bool:
         # Includes finished requests whose blocks a connector store still holds, and a
