@@ -835,12 +835,17 @@ async def serve_forever(router: Router) -> None:
     gc.collect()
     gc.freeze()
     logger.warning("kvserve route listening on http://%s:%s", router.config.host, router.port)
+    try:
+        await wait_for_stop_signal()
+    finally:
+        await router.stop()
+
+
+async def wait_for_stop_signal() -> None:
+    """Return on SIGINT or SIGTERM (a front end's serve loop then stops what it started)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await router.stop()
+    await stop.wait()

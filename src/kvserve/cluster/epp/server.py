@@ -20,11 +20,8 @@ addresses.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import gc
 import logging
-import signal
 from collections.abc import AsyncIterator
 
 import grpc
@@ -35,7 +32,7 @@ from prometheus_client import Gauge
 
 from kvserve.cluster.endpoints import Endpoint
 from kvserve.cluster.epp.processor import ExtProcStream
-from kvserve.cluster.gateway import Router
+from kvserve.cluster.gateway import Router, wait_for_stop_signal
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +155,7 @@ async def serve_forever(core: Router) -> None:
         core.config.host,
         core.port,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await epp.stop()
