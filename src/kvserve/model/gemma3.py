@@ -23,7 +23,7 @@ from kvserve.engine.attention import (
     get_attention_backend,
 )
 from kvserve.model.config import ModelConfig
-from kvserve.model.llama import RotaryEmbedding, apply_rope, windowed_attention
+from kvserve.model.llama import Attention, RotaryEmbedding
 
 
 class GemmaRMSNorm(nn.Module):
@@ -38,44 +38,6 @@ class GemmaRMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class Gemma3Attention(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layer_idx: int, backend: TorchAttentionBackend | None = None
-    ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.attn_scale
-        bias = config.attention_bias
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.backend = backend or get_attention_backend()
-        self.window = config.layer_window(layer_idx)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-        kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = windowed_attention(self.backend, self.window, q, k, v, kv_cache[:, self.layer_idx],
-                               meta, self.scale)  # fmt: skip
-        return self.o_proj(o.reshape(t, self.q_size))
 
 
 class Gemma3MLP(nn.Module):
@@ -96,7 +58,14 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_idx, backend)
+        self.self_attn = Attention(
+            config,
+            layer_idx,
+            backend,
+            norm=GemmaRMSNorm,
+            qk_norm=True,
+            o_bias=config.attention_bias,
+        )
         self.mlp = Gemma3MLP(config)
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)

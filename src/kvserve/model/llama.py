@@ -10,6 +10,7 @@ fused (QKV, gate-up) so a layer is four GEMMs. Attention goes through a paged ba
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,8 +112,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Fused QKV projection, optional per-head q/k norms (``norm``: the model's RMSNorm
+    variant), RoPE, paged attention (windowed on sliding-window layers), output projection."""
+
     def __init__(
-        self, config: ModelConfig, layer_idx: int, backend: TorchAttentionBackend | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        backend: TorchAttentionBackend | None = None,
+        *,
+        norm: Callable[[int, float], nn.Module] = RMSNorm,
+        qk_norm: bool | None = None,  # default: the config's (Qwen3)
+        o_bias: bool = False,  # Qwen2 has QKV biases but none on o_proj
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -120,14 +131,14 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attn_scale
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        if config.qk_norm if qk_norm is None else qk_norm:
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.backend = backend or get_attention_backend()
