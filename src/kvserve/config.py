@@ -45,6 +45,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # KV cache groups per attention type (hybrid / sliding-window models): sliding-window
+    # layers keep only their window's blocks; off (--no-kv-groups): every layer keeps every
+    # token's KV in one group
+    kv_groups: bool = True
     prefix_hash_seed: str = "kvserve"  # seed of the block hash chain (same on every instance)
     seed: int = 0  # default sampling seed
     # torch intra-op threads on CPU (default: the usable cores minus one for the server's own
@@ -65,6 +69,15 @@ class EngineConfig:
     kv_tier_lookup_timeout: float = 0.5  # s; a storage lookup slower than this is a miss
     kv_tier_io_threads: int = 4  # threads reading storage tiers (lookups, loads)
     kv_tier_max_pending_writes: int = 256  # chunks queued for storage; more are dropped
+    # Writes to the storage tiers (the cascade of host stores). In a writer process of their
+    # own by default (the host tier in shared memory; checksums and kernel copies off the
+    # engine's GIL and process); --no-kv-tier-write-process: writer threads in the engine.
+    kv_tier_write_process: bool = True
+    kv_tier_write_threads: int = 2  # concurrent writes (threads of the writer)
+    kv_tier_write_batch: int = 4  # chunks per tier call (one pipeline, one pacing step)
+    kv_tier_write_duty: float = 1.0  # fraction of time writers may write, in (0, 1]
+    kv_tier_write_policy: str = "idle"  # writers' CPU scheduling: idle (SCHED_IDLE) | nice | normal
+    kv_tier_write_pause: bool = False  # hold writes while a step's forward computes
     # KV events publishing (ZMQ PUB, vLLM wire format).
     kv_events_endpoint: str | None = None  # e.g. tcp://*:5557
     kv_events_replay_endpoint: str | None = None  # e.g. tcp://*:5558
@@ -101,6 +114,16 @@ class EngineConfig:
                 "storage tiers (kv_tier / kv_tiers_config) are staged through the host-memory "
                 "tier: set kv_offload_size > 0 (GiB) too"
             )
+        if self.kv_tiers_config:
+            _apply_tier_write_options(self, self.kv_tiers_config)
+        if not 0.0 < self.kv_tier_write_duty <= 1.0:
+            raise ValueError(f"kv_tier_write_duty must be in (0, 1], got {self.kv_tier_write_duty}")
+        if (policy := self.kv_tier_write_policy) not in ("idle", "nice", "normal"):
+            raise ValueError(f"kv_tier_write_policy must be idle, nice or normal, got {policy!r}")
+        if min(self.kv_tier_write_threads, self.kv_tier_write_batch) < 1:
+            raise ValueError("kv_tier_write_threads and kv_tier_write_batch must be >= 1")
+        if self.kv_tier_max_pending_writes < 1:
+            raise ValueError("kv_tier_max_pending_writes must be >= 1")
         if self.kv_transfer_config:
             _apply_kv_transfer_config(self, self.kv_transfer_config)
         if self.kv_role is not None:
@@ -183,6 +206,24 @@ def _apply_kv_transfer_config(cfg: EngineConfig, text: str) -> None:
         if current not in (defaults[key], value):
             raise ValueError(f"kv_transfer_config sets {key}={value!r}, the flag {current!r}")
         setattr(cfg, key, value)
+
+
+def _apply_tier_write_options(cfg: EngineConfig, path: str) -> None:
+    """The tier YAML file's ``write:`` mapping (``process``, ``threads``, ``batch``, ``duty``,
+    ``policy``, ``pause``, ``max_pending``) sets ``kv_tier_write_*`` (``max_pending``:
+    ``kv_tier_max_pending_writes``) where the flag or argument left the default."""
+    from kvserve.kv.backends.storage import load_tier_write_options
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for key, value in load_tier_write_options(path).items():
+        name = "kv_tier_max_pending_writes" if key == "max_pending" else f"kv_tier_write_{key}"
+        if name not in defaults:
+            raise ValueError(f"{path}: unknown write option {key!r}")
+        want = type(defaults[name])
+        if want is bool and not isinstance(value, bool):
+            raise ValueError(f"{path}: write option {key} must be true or false")
+        if getattr(cfg, name) == defaults[name]:
+            setattr(cfg, name, want(value))
 
 
 @dataclass

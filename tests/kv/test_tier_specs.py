@@ -52,3 +52,37 @@ def test_repeatable_flag_and_validation() -> None:
     assert from_args(EngineConfig, p.parse_args([])).kv_tier == []
     with pytest.raises(ValueError, match="kv_offload_size"):
         EngineConfig(kv_tier=["fs:path=/f"])
+
+
+def test_write_options_from_cli_yaml_and_api(tmp_path) -> None:
+    """Write duty, policy, pause, queue bound and the writer process: flags, the YAML file's
+    ``write:`` mapping (an explicit flag wins) and ``LLM(...)``'s keyword arguments."""
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, EngineConfig)
+    args = p.parse_args(
+        ["--kv-offload-size", "1", "--kv-tier", "fs:path=/f", "--no-kv-tier-write-process",
+         "--kv-tier-write-duty", "0.5", "--kv-tier-write-policy", "nice",
+         "--kv-tier-write-pause", "--kv-tier-max-pending-writes", "64"]
+    )  # fmt: skip
+    cfg = from_args(EngineConfig, args)
+    assert (cfg.kv_tier_write_process, cfg.kv_tier_write_duty, cfg.kv_tier_write_policy) == (
+        False, 0.5, "nice",
+    )  # fmt: skip
+    assert cfg.kv_tier_write_pause and cfg.kv_tier_max_pending_writes == 64
+    f = tmp_path / "tiers.yaml"
+    f.write_text(
+        "tiers:\n  - {type: fs, path: /f}\nwrite: {duty: 0.25, policy: normal, pause: true,"
+        " max_pending: 32, threads: 3, batch: 2, process: false}\n"
+    )
+    cfg = EngineConfig(kv_offload_size=1, kv_tiers_config=str(f), kv_tier_write_policy="nice")
+    assert cfg.kv_tier_write_duty == 0.25 and cfg.kv_tier_write_policy == "nice"  # flag wins
+    assert cfg.kv_tier_write_pause and not cfg.kv_tier_write_process
+    assert (cfg.kv_tier_max_pending_writes, cfg.kv_tier_write_threads) == (32, 3)
+    assert cfg.kv_tier_write_batch == 2
+    f.write_text("tiers: []\nwrite: {dutty: 0.5}\n")
+    with pytest.raises(ValueError, match="unknown write option 'dutty'"):
+        EngineConfig(kv_offload_size=1, kv_tiers_config=str(f))
+    with pytest.raises(ValueError, match="kv_tier_write_duty"):
+        EngineConfig(kv_tier_write_duty=0)
+    with pytest.raises(ValueError, match="kv_tier_write_policy"):
+        EngineConfig(kv_tier_write_policy="fast")

@@ -28,12 +28,17 @@ def register_backend(name: str) -> Callable[[type], type]:
     return deco
 
 
-def create_backend(name: str, *args: Any, **kwargs: Any) -> Any:
-    """Instantiate backend ``name`` (``cpu``, ``disk``, ...) with the backend's own arguments."""
+def backend_class(name: str) -> Callable[..., Any]:
+    """The backend registered as ``name`` (``cpu``, ``disk``, ...), its module imported."""
     if name not in BACKENDS and name in _BUILTIN:
         importlib.import_module(_BUILTIN[name])
     if name not in BACKENDS:
         raise ValueError(
             f"unknown KV backend {name!r}; known: {sorted(set(BACKENDS) | set(_BUILTIN))}"
         )
-    return BACKENDS[name](*args, **kwargs)
+    return BACKENDS[name]
+
+
+def create_backend(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Instantiate backend ``name`` (``cpu``, ``disk``, ...) with the backend's own arguments."""
+    return backend_class(name)(*args, **kwargs)

@@ -5,13 +5,18 @@ for the whole tier) and pinning; ``spare_slots`` of the size are kept out of all
 the caller's own use. ``size_bytes // chunk_bytes`` slots are allocated (and their
 pages faulted in) up front, with no rounding; on CUDA the memory is pinned in place
 (``cudaHostRegister``) rather than through the caching host allocator, which rounds requests up
-to a power of two.
+to a power of two. With ``shared=True`` the slots live in a memfd (shared memory) instead of
+anonymous memory, so that a storage writer process maps them and reads chunks in place
+(:mod:`kvserve.kv.offload.storage_writer`): :attr:`shm_fd` is the descriptor to hand it,
+:meth:`offset_of` the place of a slot's bytes in it.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 
+import numpy as np
 import torch
 
 from kvserve.kv.backends import register_backend
@@ -50,6 +55,7 @@ class CpuBackend(Backend):
         pin_memory: bool | None = None,
         model: str = "",
         spare_slots: int = 0,
+        shared: bool = False,
     ) -> None:
         chunk_bytes = layout.chunk_bytes
         total_slots = int(size_bytes) // chunk_bytes
@@ -68,11 +74,19 @@ class CpuBackend(Backend):
                 f"{_fmt_gib(avail)} of host memory available; lower kv_offload_size"
             )
         k = layout.blocks_per_chunk
+        self.shm_fd: int | None = None
         try:
-            # Anonymous mmap: page-aligned, so with page-multiple chunks every slot starts on a
-            # page and storage tiers read into slots directly with O_DIRECT (no bounce buffer).
-            self._mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # Page-aligned, so with page-multiple chunks every slot starts on a page and storage
+            # tiers read into slots directly with O_DIRECT (no bounce buffer).
+            if shared:
+                self.shm_fd = os.memfd_create("kvserve-host-tier", os.MFD_CLOEXEC)
+                os.ftruncate(self.shm_fd, nbytes)
+                self._mem = mmap.mmap(self.shm_fd, nbytes, flags=mmap.MAP_SHARED)
+            else:
+                self._mem = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as e:
+            if self.shm_fd is not None:
+                os.close(self.shm_fd)
             raise MemoryError(
                 f"cannot allocate the KV offload tier ({_fmt_gib(nbytes)}): {e}"
             ) from e
@@ -103,6 +117,16 @@ class CpuBackend(Backend):
         self._keys: list[bytes | None] = [None] * total_slots
         self._checksums = [0] * total_slots
         self._k = k  # blocks per chunk: each one is sampled by the checksum
+        self._base = int(np.frombuffer(self._mem, dtype=np.uint8).ctypes.data)
+
+    def offset_of(self, view: memoryview) -> int:
+        """Where ``view`` (bytes of this tier's memory, e.g. a slot of :attr:`slots_u8`)
+        starts in it; ValueError for memory that is not this tier's."""
+        addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        off = addr - self._base
+        if not 0 <= off <= len(self._mem) - view.nbytes:
+            raise ValueError("buffer outside the host tier's memory")
+        return off
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +195,9 @@ class CpuBackend(Backend):
         if self.pinned:
             _unpin(self.blocks)
             self.pinned = False
+        if self.shm_fd is not None:  # the mapping stays valid while tensors view it
+            os.close(self.shm_fd)
+            self.shm_fd = None
 
 
 def _pin_in_place(t: torch.Tensor) -> None:  # pragma: no cover - needs CUDA

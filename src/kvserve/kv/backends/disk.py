@@ -132,8 +132,120 @@ class _SlotRead:
         self.error = error
 
 
+class _SlotIO:
+    """Buffers and slot writes over one slot file (the tier's, or a writer process's
+    inherited descriptor of it). Needs ``fd``, ``codec``, ``payload_bytes``, ``slot_bytes``,
+    ``o_direct``, ``_zero_copy_ok`` and ``_tls``."""
+
+    fd: int
+    codec: ChunkCodec
+    payload_bytes: int
+    slot_bytes: int
+    o_direct: bool
+    _zero_copy_ok: bool
+    _tls: threading.local
+
+    def _bounce(self) -> mmap.mmap:
+        buf = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = mmap.mmap(-1, self.slot_bytes)
+        return buf
+
+    def _page(self) -> mmap.mmap:
+        buf = getattr(self._tls, "page", None)
+        if buf is None:
+            buf = self._tls.page = mmap.mmap(-1, 2 * PAGE)
+        return buf
+
+    def _zero_copy(self, buf: memoryview) -> bool:
+        return self._zero_copy_ok and buffer_address(buf) % PAGE == 0
+
+    def _write_slot(
+        self, slot: int, key: bytes, payload: memoryview, header: bytes | None
+    ) -> OSError | None:
+        off = slot * self.slot_bytes
+        n = self.payload_bytes
+        try:
+            if header is None:
+                header = self.codec.header(key, payload)
+            if not self.o_direct:
+                pwritev_all(self.fd, [payload, header], off)
+                os.posix_fadvise(self.fd, off, self.slot_bytes, os.POSIX_FADV_DONTNEED)
+            elif self._zero_copy(payload):
+                page = memoryview(self._page())[:PAGE]
+                page[:HEADER_BYTES] = header
+                page[HEADER_BYTES:] = bytes(PAGE - HEADER_BYTES)
+                pwritev_all(self.fd, [payload, page], off)
+            else:
+                buf = memoryview(self._bounce())
+                buf[:n] = payload
+                buf[n : n + HEADER_BYTES] = header
+                buf[n + HEADER_BYTES :] = bytes(self.slot_bytes - n - HEADER_BYTES)
+                pwritev_all(self.fd, [buf], off)
+            return None
+        except OSError as e:
+            return e
+
+
+class DiskSlotWriter(_SlotIO):
+    """A disk tier's write side in a writer process: writes chunks into the slots the engine's
+    index chose (:meth:`DiskBackend.begin_put`) through the slot file's inherited descriptor
+    (its O_DIRECT flag included); the engine publishes them (:meth:`DiskBackend.end_put`)."""
+
+    def __init__(self, codec: ChunkCodec, fd: int, slot_bytes: int, o_direct: bool) -> None:
+        self.fd, self.codec = fd, codec
+        self.payload_bytes, self.slot_bytes, self.o_direct = (
+            codec.payload_bytes,
+            slot_bytes,
+            o_direct,
+        )
+        self._zero_copy_ok = o_direct and self.payload_bytes % PAGE == 0
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._stats: dict[str, float] = {}
+        self._logged_errnos: set[int] = set()
+
+    def put_planned(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        headers: Sequence[bytes] | None,
+        targets: Sequence[int | None],
+    ) -> list[bool]:
+        ok = [False] * len(keys)
+        t0 = time.perf_counter()
+        written = errors = 0
+        for i, slot in enumerate(targets):
+            if slot is None or slot < 0:
+                continue
+            err = self._write_slot(slot, keys[i], memoryview(payloads[i]).cast("B"),
+                                   headers[i] if headers else None)  # fmt: skip
+            if err is None:
+                ok[i] = True
+                written += 1
+            else:
+                errors += 1
+                level = logging.WARNING if err.errno not in self._logged_errnos else logging.DEBUG
+                self._logged_errnos.add(err.errno or 0)
+                logger.log(level, "disk tier writer: cannot write a slot: %s", err)
+        with self._lock:
+            st = self._stats
+            for k, v in (("written", written), ("write_bytes", written * self.payload_bytes),
+                         ("write_s", time.perf_counter() - t0), ("errors", errors)):  # fmt: skip
+                st[k] = st.get(k, 0) + v
+        return ok
+
+    def take_stats(self) -> dict[str, float]:
+        with self._lock:
+            out, self._stats = self._stats, {}
+        return {k: v for k, v in out.items() if v}
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 @register_backend("disk")
-class DiskBackend(StorageBackend):
+class DiskBackend(_SlotIO, StorageBackend):
     """Fixed slots in one preallocated local file; an in-memory LRU index of key -> slot."""
 
     name = "disk"
@@ -320,21 +432,6 @@ class DiskBackend(StorageBackend):
         )
 
     # -- buffers and slot I/O (outside the lock) -----------------------------------------------
-    def _bounce(self) -> mmap.mmap:
-        buf = getattr(self._tls, "bounce", None)
-        if buf is None:
-            buf = self._tls.bounce = mmap.mmap(-1, self.slot_bytes)
-        return buf
-
-    def _page(self) -> mmap.mmap:
-        buf = getattr(self._tls, "page", None)
-        if buf is None:
-            buf = self._tls.page = mmap.mmap(-1, 2 * PAGE)
-        return buf
-
-    def _zero_copy(self, buf: memoryview) -> bool:
-        return self._zero_copy_ok and buffer_address(buf) % PAGE == 0
-
     def _read_header(self, slot: int) -> memoryview | bytes:
         off = slot * self.slot_bytes
         if not self.o_direct:
@@ -371,32 +468,6 @@ class DiskBackend(StorageBackend):
             return _SlotRead(True)
         except OSError as e:
             return _SlotRead(False, e)
-
-    def _write_slot(
-        self, slot: int, key: bytes, payload: memoryview, header: bytes | None
-    ) -> OSError | None:
-        off = slot * self.slot_bytes
-        n = self.payload_bytes
-        try:
-            if header is None:
-                header = self.codec.header(key, payload)
-            if not self.o_direct:
-                pwritev_all(self.fd, [payload, header], off)
-                os.posix_fadvise(self.fd, off, self.slot_bytes, os.POSIX_FADV_DONTNEED)
-            elif self._zero_copy(payload):
-                page = memoryview(self._page())[:PAGE]
-                page[:HEADER_BYTES] = header
-                page[HEADER_BYTES:] = bytes(PAGE - HEADER_BYTES)
-                pwritev_all(self.fd, [payload, page], off)
-            else:
-                buf = memoryview(self._bounce())
-                buf[:n] = payload
-                buf[n : n + HEADER_BYTES] = header
-                buf[n + HEADER_BYTES :] = bytes(self.slot_bytes - n - HEADER_BYTES)
-                pwritev_all(self.fd, [buf], off)
-            return None
-        except OSError as e:
-            return e
 
     def _retire(self, slots: Iterable[int]) -> None:
         """Zero the headers of forgotten slots (a restart must not bring them back), then free
@@ -586,6 +657,65 @@ class DiskBackend(StorageBackend):
             return ok
         finally:
             self._leave()
+
+    # -- writes made in a writer process (storage_writer) --------------------------------------
+    def writer_spec(self, options: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """The writer process writes through this tier's own descriptor of the slot file."""
+        return {"slot_bytes": self.slot_bytes, "o_direct": self.o_direct}, [self.fd]
+
+    @classmethod
+    def open_writer(
+        cls, codec: ChunkCodec, options: dict[str, Any], fds: list[int]
+    ) -> DiskSlotWriter:
+        return DiskSlotWriter(codec, fds[0], int(options["slot_bytes"]), bool(options["o_direct"]))
+
+    def begin_put(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Slots for the keys not held or being written (evicting as :meth:`put` does); they
+        stay out of the index until :meth:`end_put`."""
+        targets: list[int | None] = [None] * len(keys)
+        evicted: list[bytes] = []
+        skipped = dropped = 0
+        with self._cond:
+            if self._closed:
+                dropped = len(keys)
+            else:
+                for i, k in enumerate(keys):
+                    if k in self._index:
+                        self._index.move_to_end(k)
+                        skipped += 1
+                    elif k in self._writing:
+                        skipped += 1
+                    else:
+                        s = self._allocate(evicted)
+                        if s is None:
+                            dropped += 1
+                            continue
+                        self._writing[k] = s
+                        targets[i] = s
+        if evicted:
+            self.note_evicted(evicted)
+        self.count(write_skipped=skipped, dropped=dropped)
+        return targets
+
+    def end_put(
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[int | None],
+        ok: Sequence[bool],
+        stats: dict[str, float],
+    ) -> list[bool]:
+        self.add_stats(stats)
+        with self._cond:
+            for k, s, good in zip(keys, targets, ok, strict=True):
+                if s is None:
+                    continue
+                del self._writing[k]
+                if good:
+                    self._index[k] = s
+                else:
+                    self._free.append(s)
+            self._cond.notify_all()
+            return [k in self._index for k in keys]
 
     def _allocate(self, evicted: list[bytes]) -> int | None:
         """A free slot, else the least recently used one nobody is reading (under the lock)."""

@@ -8,7 +8,9 @@ root), ``size`` (retention limit, GiB or ``512MiB``: every instance applies it),
 ``sweep_interval`` (seconds between sweeps), ``sweep_after`` (bytes this instance writes that
 bring the next sweep forward; default 5% of ``size``, 0: never), ``fsync`` (flush each file
 before its rename; default off: a crash loses at most recent chunks, and the hash rejects a
-torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file systems).
+torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file systems),
+``sweep`` (default true; false: this instance applies no retention, others do: a storage
+writer process opens the tier so, the engine's own instance sweeps for the bytes it wrote).
 Reads and writes run in the caller's thread, one file after the other: the storage worker owns
 the concurrency (its I/O threads each read one contiguous shard of a staging read); the
 ``io_threads`` option is accepted for old configurations and ignored.
@@ -92,6 +94,7 @@ class FsBackend(StorageBackend):
         fsync: Any = False,
         locality: str = "LOCAL",
         io_threads: Any = 4,
+        sweep: Any = True,
     ) -> None:
         root = Path(path).absolute()
         # Instances sharing the root agree on this id (how the router learns who shares).
@@ -130,9 +133,13 @@ class FsBackend(StorageBackend):
         self._sweep_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.sweep()
-        self._sweeper = threading.Thread(target=self._sweep_loop, name="kv-fs-sweep", daemon=True)
-        self._sweeper.start()
+        self._sweeper: threading.Thread | None = None
+        if parse_flag(sweep, "fs tier: sweep"):
+            self.sweep()
+            self._sweeper = threading.Thread(
+                target=self._sweep_loop, name="kv-fs-sweep", daemon=True
+            )
+            self._sweeper.start()
         logger.info(
             "fs tier %s (%s): retention %d bytes, %d bytes held, sweep every %.0f s",
             self.dir,
@@ -298,6 +305,24 @@ class FsBackend(StorageBackend):
             self._wake.set()
         return [not isinstance(r, OSError) for r in res]
 
+    def writer_spec(self, options: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        return {**options, "sweep": False}, []  # retention stays with this instance
+
+    def end_put(
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[int | None],
+        ok: Sequence[bool],
+        stats: dict[str, float],
+    ) -> list[bool]:
+        out = super().end_put(keys, targets, ok, stats)
+        with self._lock:  # bytes a writer process put here bring the next sweep forward too
+            self._written_since_sweep += int(stats.get("written", 0)) * self.stored_bytes
+            early = 0 < self.sweep_after < self._written_since_sweep
+        if early:
+            self._wake.set()
+        return out
+
     def remove(self, keys: Sequence[bytes]) -> None:
         for k in keys:
             self._unlink(self.path_of(k))
@@ -386,5 +411,6 @@ class FsBackend(StorageBackend):
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._sweeper.is_alive() and self._sweeper is not threading.current_thread():
-            self._sweeper.join()
+        sweeper = self._sweeper
+        if sweeper is not None and sweeper.is_alive() and sweeper is not threading.current_thread():
+            sweeper.join()

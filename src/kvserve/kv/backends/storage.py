@@ -19,6 +19,12 @@ Contract (every implementation, tested by ``tests/kv/test_storage_contract.py``)
   never from the engine's step;
 - a private tier (``shared = False``) reports the keys it evicted through :meth:`take_evicted`
   (they become KV events); a shared tier cannot know what other instances evicted.
+
+Writes made by a writer process (:mod:`kvserve.kv.offload.storage_writer`) are split in three:
+:meth:`begin_put` here (what to write where: a private tier picks its slots under its own index,
+no I/O), :meth:`put_planned` in the writer process, on the tier :meth:`open_writer` made there
+from :meth:`writer_spec`, and :meth:`end_put` here (the writes published, the writer's counters
+added). A key-addressed tier's writer is simply another client of the same store.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from typing import Any, ClassVar
 from kvserve.kv.backends.chunk_format import ChunkCodec
 
 GiB = 1 << 30
+# begin_put's target of a key-addressed write (no slot).
+KEYED = -1
 
 
 def lower_thread_priority(policy: str = "idle") -> None:
@@ -144,6 +152,70 @@ class StorageBackend(ABC):
     def close(self) -> None:  # noqa: B027
         """Release files, connections and threads."""
 
+    # -- writes made in a writer process ------------------------------------------------------
+    def writer_spec(self, options: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """What a writer process needs to open this tier's write side (:meth:`open_writer`):
+        plain-data options (JSON) and file descriptors it inherits. ``options``: this tier's
+        own, from its spec. Default: the same options (another client of the same store)."""
+        return dict(options), []
+
+    @classmethod
+    def open_writer(cls, codec: ChunkCodec, options: dict[str, Any], fds: list[int]) -> Any:
+        """The write side of a tier in a writer process: an object with :meth:`put_planned`,
+        :meth:`take_stats` and :meth:`close` (default: the backend itself, opened there)."""
+        return cls(codec, **options)
+
+    def begin_put(self, keys: Sequence[bytes]) -> list[int | None]:
+        """Engine side of a write made elsewhere: per key, where the writer puts it (``-1``:
+        by key; a private tier's slot) or None (not written: held already, or dropped)."""
+        return [KEYED] * len(keys)
+
+    def put_planned(
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        headers: Sequence[bytes] | None,
+        targets: Sequence[int | None],
+    ) -> list[bool]:
+        """Writer side: store the chunks whose target is not None (:meth:`put` by default)."""
+        idx = [i for i, t in enumerate(targets) if t is not None]
+        ok = [False] * len(keys)
+        if idx:
+            res = self.put(
+                [keys[i] for i in idx],
+                [payloads[i] for i in idx],
+                None if headers is None else [headers[i] for i in idx],
+            )
+            for i, r in zip(idx, res, strict=True):
+                ok[i] = r
+        return ok
+
+    def end_put(
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[int | None],
+        ok: Sequence[bool],
+        stats: dict[str, float],
+    ) -> list[bool]:
+        """Engine side, once the writer answered (``ok`` all False when it died): publish what
+        was written, add the writer's counters; True per key in the tier afterwards."""
+        self.add_stats(stats)
+        return list(ok)
+
+    def take_stats(self) -> dict[str, float]:
+        """The counters since the last call, reset (a writer process reports them)."""
+        with self._stats_lock:
+            s, self.stats = self.stats, TierStats()
+        return {k: v for k, v in s.as_dict().items() if v}
+
+    def add_stats(self, stats: dict[str, float]) -> None:
+        """Add counters another process took (:meth:`take_stats`)."""
+        with self._stats_lock:
+            for k, v in stats.items():
+                if hasattr(self.stats, k):
+                    cur = getattr(self.stats, k)
+                    setattr(self.stats, k, cur + (int(v) if isinstance(cur, int) else v))
+
     # -- helpers for implementations ---------------------------------------------------------
     def count(self, **deltas: float) -> None:
         with self._stats_lock:
@@ -237,6 +309,19 @@ def parse_tier_spec(spec: str | dict[str, Any] | TierSpec) -> TierSpec:
     if not kind.strip():
         raise ValueError(f"tier spec {spec!r} has no type (e.g. disk:path=/var/kv,size=64)")
     return TierSpec(kind.strip(), opts)
+
+
+def load_tier_write_options(config_file: str) -> dict[str, Any]:
+    """The YAML file's ``write:`` mapping (``{tiers: [...], write: {duty: 0.5, ...}}``; a file
+    that is a plain list of tiers has none)."""
+    import yaml
+
+    with open(config_file) as f:
+        doc = yaml.safe_load(f)
+    opts = doc.get("write", {}) if isinstance(doc, dict) else {}
+    if not isinstance(opts, dict):
+        raise ValueError(f"{config_file}: 'write' must be a mapping of write options")
+    return opts
 
 
 def load_tier_specs(cli_specs: Sequence[str], config_file: str | None) -> list[TierSpec]:

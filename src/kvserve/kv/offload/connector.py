@@ -208,6 +208,7 @@ class OffloadingConnector(KVConnectorBase):
         self._events: list[AnyKVEvent] = []
         # Block hashes of chunks in private storage tiers (for BlockRemoved on eviction).
         self._tier_blocks: list[dict[bytes, list[int]]] = []
+        self._pause_writes = False  # kv_tier_write_pause (set with the storage worker)
 
     # ================================ worker side: setup =================================
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
@@ -222,7 +223,12 @@ class OffloadingConnector(KVConnectorBase):
         # the host tier has no room for is copied there, written to the storage tiers, freed.
         total = self.size_bytes // layout.chunk_bytes
         spare = max(1, min(MAX_SPILL_SLOTS, total // 8)) if self.tier_specs and total > 1 else 0
-        tier = create_backend("cpu", layout, self.size_bytes, model=fingerprint, spare_slots=spare)
+        # With a writer process, the host tier lives in shared memory: it reads chunks in place.
+        write_process = bool(self.tier_specs) and self.config.kv_tier_write_process
+        tier = create_backend(
+            "cpu", layout, self.size_bytes, model=fingerprint, spare_slots=spare,
+            shared=write_process,
+        )  # fmt: skip
         self.tier = tier
         self._spill_free = list(range(tier.num_slots, tier.num_slots + spare))
         self.manager = OffloadingManager(
@@ -239,11 +245,20 @@ class OffloadingConnector(KVConnectorBase):
             ]
             self._tier_blocks = [{} for _ in self.tiers]
             self._lookup_in_memory = all(t.lookup_in_memory for t in self.tiers)
+            cfg = self.config
             self.storage = StorageWorker(
                 self.tiers,
-                io_threads=self.config.kv_tier_io_threads,
-                max_pending_writes=self.config.kv_tier_max_pending_writes,
+                io_threads=cfg.kv_tier_io_threads,
+                max_pending_writes=cfg.kv_tier_max_pending_writes,
+                write_threads=cfg.kv_tier_write_threads,
+                write_batch=cfg.kv_tier_write_batch,
+                write_duty=cfg.kv_tier_write_duty,
+                writer_policy=cfg.kv_tier_write_policy,
+                write_process=write_process,
+                host=tier,
+                specs=self.tier_specs,
             )
+            self._pause_writes = cfg.kv_tier_write_pause
             for spec, t in zip(self.tier_specs, self.tiers, strict=True):
                 logger.info("KV storage tier %s (%s, %s)", spec.describe(), t.locality,
                             "shared" if t.shared else "private")  # fmt: skip
@@ -662,12 +677,16 @@ class OffloadingConnector(KVConnectorBase):
             self.worker.submit_many(loads)
         if metadata.forward:
             self.worker.forward_begins()
+            if self._pause_writes and self.storage is not None:
+                self.storage.pause_writes()  # kv_tier_write_pause: resumed in wait_for_save
 
     def wait_for_save(self, metadata: OffloadConnectorMetadata | None) -> None:
         if metadata is None or self.worker is None:
             return
         if metadata.forward:
             self.worker.forward_ends()
+            if self._pause_writes and self.storage is not None:
+                self.storage.resume_writes()
         if metadata.stores:
             self.worker.submit_many(metadata.stores)
 

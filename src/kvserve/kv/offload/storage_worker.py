@@ -23,6 +23,14 @@ header (its full-content hash) is made once for all tiers. The writer threads ru
 ``SCHED_IDLE`` (on cores the engine leaves idle), may be held to a duty cycle (``write_duty``)
 and paused while the engine computes a step (:meth:`pause_writes` / :meth:`resume_writes`:
 checked before each batch and each tier's part of it).
+
+With a host tier in shared memory (``host``: ``CpuBackend(shared=True)``) and
+``write_process``, writes run in a writer process instead
+(:mod:`kvserve.kv.offload.storage_writer`): the same queue bound, drop counting, batching, duty
+cycle, pause and policy, with only keys, offsets and each tier's targets crossing a socket.
+If that process dies, later writes are dropped (counted in each tier's ``dropped`` and in
+:attr:`StorageWorker.writer_lost_chunks`) and everything else goes on. Lookups and reads stay
+in this process: a request waits for them, and they land in this process's host slots.
 """
 
 from __future__ import annotations
@@ -35,8 +43,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvserve.kv.backends.storage import StorageBackend, lower_thread_priority
+from kvserve.kv.backends.storage import StorageBackend, TierSpec, lower_thread_priority
+from kvserve.kv.offload.storage_writer import TierWriterSpec, WriterProcess, set_thread_policy
+
+if TYPE_CHECKING:
+    from kvserve.kv.backends.cpu import CpuBackend
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +100,9 @@ class StorageWorker:
         write_batch: int = 4,  # chunks per put() call (one pipeline, one pacing step)
         write_duty: float = 1.0,
         writer_policy: str = "idle",
+        write_process: bool = False,
+        host: CpuBackend | None = None,
+        specs: Sequence[TierSpec] | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("the storage worker needs at least one tier")
@@ -101,6 +117,8 @@ class StorageWorker:
         self.max_pending_writes = max_pending_writes
         self.write_batch = max(1, write_batch)
         self.write_duty = write_duty
+        self._policy = writer_policy
+        self._thread_policy = threading.local()  # the policy a writer thread runs under
         # One header (one hash of the payload) per chunk serves every tier of the same codec.
         codecs = {t.codec for t in self.tiers}
         self._codec = codecs.pop() if len(codecs) == 1 else None
@@ -125,6 +143,33 @@ class StorageWorker:
         self._gate.set()
         self._pace = threading.Lock()
         self._write_at = 0.0
+        # The writer process (write_process): its operations in flight, op -> (keys, each
+        # tier's targets, start time), and the chunks dropped since it died.
+        self.writer: WriterProcess | None = None
+        self._host = host
+        self._remote: dict[int, tuple[list[bytes], list[list[int | None]], float]] = {}
+        self.writer_lost_chunks = 0
+        if write_process:
+            if host is None or host.shm_fd is None or specs is None or self._codec is None:
+                raise ValueError(
+                    "a writer process needs the host tier in shared memory, the tier specs "
+                    "and one chunk codec for every tier"
+                )
+            writers = []
+            for spec, tier in zip(specs, self.tiers, strict=True):
+                options, fds = tier.writer_spec(dict(spec.options))
+                writers.append(TierWriterSpec(spec.type, options, fds))
+            self.writer = WriterProcess(
+                self._codec,
+                writers,
+                host.shm_fd,
+                host.nbytes,
+                self._remote_done,
+                write_threads=write_threads,
+                write_batch=self.write_batch,
+                write_duty=write_duty,
+                writer_policy=writer_policy,
+            )
 
     # -- submission (engine thread) ------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -197,16 +242,67 @@ class StorageWorker:
         """Start writing chunks to every tier; None (dropped, counted by each tier) when the
         write queue is full. The payloads must stay valid until the result is polled."""
         n = len(keys)
+        writer = self.writer
         with self._cond:
-            if self._closed or self._pending_write_chunks + n > self.max_pending_writes:
+            lost = writer is not None and not writer.alive
+            if lost or self._closed or self._pending_write_chunks + n > self.max_pending_writes:
+                if lost:
+                    self.writer_lost_chunks += n
                 for tier in self.tiers:
                     tier.count(dropped=n)
                 return None
             self._pending_write_chunks += n
         op = next(self._ids)
         keys, payloads = list(keys), list(payloads)
-        self._start(self._writes, op, "write", lambda: self._write(op, keys, payloads), n)
+        if writer is not None:
+            self._write_remote(writer, op, keys, payloads)
+        else:
+            self._start(self._writes, op, "write", lambda: self._write(op, keys, payloads), n)
         return op
+
+    def _write_remote(
+        self, writer: WriterProcess, op: int, keys: list[bytes], payloads: list[memoryview]
+    ) -> None:
+        """Hand a write to the writer process: each tier's targets chosen here, the chunks'
+        offsets in the shared host memory sent; :meth:`_remote_done` publishes the answer."""
+        assert self._host is not None
+        offsets = [self._host.offset_of(p) for p in payloads]
+        targets = [tier.begin_put(keys) for tier in self.tiers]
+        with self._cond:
+            self._inflight += 1
+            self._remote[op] = (keys, targets, time.perf_counter())
+        if not writer.submit(op, keys, offsets, targets):
+            self._remote_done(op, None)
+
+    def _remote_done(self, op: int, reply: dict[str, Any] | None) -> None:
+        """The writer process answered ``op`` (None: it died first, nothing is known written):
+        each tier publishes its part; the result is queued for :meth:`poll`."""
+        with self._cond:
+            entry = self._remote.pop(op, None)
+        if entry is None:
+            return
+        keys, targets, t0 = entry
+        n = len(keys)
+        present = [False] * n
+        stored: dict[int, list[bytes]] = {}
+        for t, tier in enumerate(self.tiers):
+            ok = [bool(g) for g in reply["ok"][t]] if reply else [False] * n
+            try:
+                held = tier.end_put(keys, targets[t], ok, reply["stats"][t] if reply else {})
+            except Exception:  # a tier bug: these chunks count as not written there
+                logger.exception("KV storage write %d: tier %s failed to publish", op, t)
+                held = [False] * n
+            stored[t] = [k for k, h in zip(keys, held, strict=True) if h]
+            present = [p or h for p, h in zip(present, held, strict=True)]
+        nbytes = self.tiers[0].codec.payload_bytes * n
+        result = StorageResult(
+            op, "write", ok=present, stored=stored, nbytes=nbytes, seconds=time.perf_counter() - t0
+        )
+        with self._cond:
+            self._inflight -= 1
+            self._pending_write_chunks -= n
+            self._results.append(result)
+            self._cond.notify_all()
 
     def _start(
         self,
@@ -244,10 +340,28 @@ class StorageWorker:
         """Hold writers before their next chunk (the engine is about to compute a step: on a
         CPU engine a writer taking a core stalls the forward's threads)."""
         self._gate.clear()
+        if self.writer is not None:
+            self.writer.pause()
 
     def resume_writes(self) -> None:
         """Let writers run again (the step's compute ended)."""
         self._gate.set()
+        if self.writer is not None:
+            self.writer.resume()
+
+    def configure_writes(self, *, duty: float | None = None, policy: str | None = None) -> None:
+        """Change the writers' duty cycle or scheduling policy while running (benchmarks);
+        thread writers take a new policy in their next write."""
+        if duty is not None:
+            if not 0.0 < duty <= 1.0:
+                raise ValueError(f"write_duty must be in (0, 1], got {duty!r}")
+            self.write_duty = duty
+        if policy is not None and policy not in WRITER_POLICIES:
+            raise ValueError(f"writer_policy must be one of {WRITER_POLICIES}, got {policy!r}")
+        if policy is not None:
+            self._policy = policy
+        if self.writer is not None:
+            self.writer.configure(duty=duty, policy=policy)
 
     def _paced(self) -> None:
         """Wait for the gate and the duty cycle before writing a chunk (writer threads)."""
@@ -283,11 +397,14 @@ class StorageWorker:
             self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
 
     def shutdown(self) -> None:
-        """Stop taking work, let running operations end (their results are discarded)."""
+        """Stop taking work, let running operations end (their results are discarded); the
+        writer process exits (killed if it does not)."""
         with self._cond:
             self._closed = True
         self._reads.shutdown(wait=True, cancel_futures=True)
         self._writes.shutdown(wait=True, cancel_futures=True)
+        if self.writer is not None:
+            self.writer.close()
         for tier in self.tiers:
             try:
                 tier.close()
@@ -307,6 +424,10 @@ class StorageWorker:
         return StorageResult(op, "lookup", sources=sources)
 
     def _write(self, op: int, keys: list[bytes], payloads: list[memoryview]) -> StorageResult:
+        policy = self._policy
+        if getattr(self._thread_policy, "name", policy) != policy:  # configure_writes since
+            set_thread_policy(threading.get_native_id(), policy)
+        self._thread_policy.name = policy
         n = len(keys)
         present = [False] * n
         stored: dict[int, list[bytes]] = {t: [] for t in range(len(self.tiers))}
