@@ -18,6 +18,18 @@ the publishing endpoint, and under a virtual holder for the tier itself. Every e
 published an event of that tier is a member of it, and a block the tier holds counts for every
 member at the tier's weight, whoever wrote it: a prefix computed on one instance is a hit
 (a cheaper one than GPU) on every instance that can load it.
+
+KV cache groups (hybrid models: Gemma 3, gpt-oss, Mistral-style sliding windows). An engine
+publishes each group's blocks with ``group_idx``, ``kv_cache_spec_kind`` and, for a sliding
+window, ``kv_cache_spec_sliding_window``; all groups share one hash chain. The index learns
+each endpoint's layout (group -> window, 0 for full attention) from its events and keeps one
+entry per block: its media mask holds 6 bits per group (``medium_bit << 6 * group``), so a
+group costs no memory of its own. A prefix of L blocks is a hit when every full-attention
+group holds blocks [0, L) and every sliding group holds the blocks its window reaches from
+position ``L * block_size`` (:func:`window_blocks`, vLLM's rule); the hit is the largest such
+L, each block weighted by the worst tier among the groups that need it. An endpoint whose
+events carry only group 0 with full attention (vLLM's non-hybrid models, older publishers)
+is matched by the one-pass path below, exactly as before groups existed.
 """
 
 from __future__ import annotations
@@ -41,6 +53,11 @@ logger = logging.getLogger(__name__)
 MEDIUM_BITS: dict[str, int] = {"GPU": 1, "CPU": 2, "DISK": 4, "FS": 8, "REDIS": 16}
 OTHER_MEDIUM_BIT = 32
 _ALL_BITS = 64
+_MEDIA = _ALL_BITS - 1  # the media bits of group 0 (or of one group, once shifted down)
+GROUP_SHIFT = 6  # group g's media bits are ``bit << GROUP_SHIFT * g`` in an entry's mask
+MAX_GROUPS = 64
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
 
 # Relative value of a hit per tier (a GPU hit is free; lower tiers cost a load).
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {
@@ -69,6 +86,13 @@ def medium_bit(medium: str | None, tier: str | None = None) -> int:
             return MEDIUM_BITS["REDIS"]
         return OTHER_MEDIUM_BIT
     return MEDIUM_BITS.get(medium, OTHER_MEDIUM_BIT)
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Blocks a sliding-window group must hold before a hit point: the token at position p
+    attends to the ``window - 1`` tokens before it (as in transformers and vLLM, whose
+    sliding-window manager asks for ``cdiv(window - 1, block_size)`` blocks)."""
+    return -(-(window - 1) // block_size) if window > 1 else 0
 
 
 def mask_weights(tier_weights: dict[str, float]) -> list[float]:
@@ -119,11 +143,14 @@ class _Entry(msgspec.Struct, gc=False):
 
 
 class _EndpointBlocks:
-    __slots__ = ("bit", "block_size", "by_engine", "by_key", "ghosts")
+    __slots__ = ("bit", "block_size", "by_engine", "by_key", "ghosts", "layout", "grouped")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit  # this endpoint's bit in the holder masks
         self.block_size: int | None = None
+        # KV groups seen in events: group id -> sliding window in tokens (0: full attention).
+        self.layout: dict[int, int] = {}
+        self.grouped = False  # anything but group 0 with full attention: matched per group
         self.by_engine: dict[int, _Entry] = {}
         self.by_key: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         # Engine hash -> key bytes of blocks no longer held, to resolve late parents.
@@ -138,7 +165,8 @@ class IndexStats:
     evicted_blocks: int = 0  # entries dropped by the size bound
     unresolved_parents: int = 0  # stored blocks skipped: parent hash unknown
     unknown_removals: int = 0  # removals of blocks the index did not hold
-    skipped_events: int = 0  # malformed or not indexed (e.g. sliding-window groups)
+    skipped_events: int = 0  # malformed or not indexed (e.g. a kind of group we cannot score)
+    layout_changes: int = 0  # an endpoint's group changed kind or window: endpoint cleared
     clears: int = 0
 
 
@@ -209,15 +237,22 @@ class KVIndex:
             ep = self._endpoints.get(endpoint)
             return set(ep.by_key) if ep else set()
 
-    def media(self, endpoint: str, key: int) -> set[str]:
-        """Media on which ``endpoint`` holds block ``key`` (empty if it does not)."""
+    def endpoint_layout(self, endpoint: str) -> dict[int, int]:
+        """KV groups ``endpoint`` published: group id -> sliding window (0: full attention)."""
+        with self._lock:
+            ep = self._endpoints.get(endpoint)
+            return dict(ep.layout) if ep else {}
+
+    def media(self, endpoint: str, key: int, group: int = 0) -> set[str]:
+        """Media on which ``endpoint``'s KV group ``group`` holds block ``key``."""
         with self._lock:
             ep = self._endpoints.get(endpoint)
             entry = ep.by_key.get(key) if ep else None
             if entry is None:
                 return set()
-            names = {n for n, b in MEDIUM_BITS.items() if entry.mask & b}
-            if entry.mask & OTHER_MEDIUM_BIT:
+            mask = (entry.mask >> GROUP_SHIFT * group) & _MEDIA
+            names = {n for n, b in MEDIUM_BITS.items() if mask & b}
+            if mask & OTHER_MEDIUM_BIT:
                 names.add("OTHER")
             return names
 
@@ -227,6 +262,8 @@ class KVIndex:
             ep = self._endpoints.get(endpoint)
             if ep is None or not ep.by_key:
                 return 0, 0.0
+            if ep.grouped:
+                return self._grouped_match(ep, keys)
             return self._runs(keys, ep.bit)[ep.bit]
 
     def match_endpoints(
@@ -250,6 +287,10 @@ class KVIndex:
                 if ep is None or ep.block_size not in keys_by_size or not ep.by_key:
                     out[name] = (0, 0.0, 0)
                     continue
+                if ep.grouped:
+                    keys = keys_by_size[ep.block_size]
+                    out[name] = (*self._grouped_match(ep, keys), len(keys))
+                    continue
                 groups[ep.block_size] = groups.get(ep.block_size, 0) | ep.bit
                 names[ep.bit] = name
             for bs, alive in groups.items():
@@ -272,7 +313,7 @@ class KVIndex:
                 for tb in _bits(m & tier_bits):
                     via = members.get(tb, 0) & alive & ~m
                     if via:
-                        cost = 1.0 - w[by_bit[tb].by_key[k].mask]
+                        cost = 1.0 - w[by_bit[tb].by_key[k].mask & _MEDIA]
                         for b in _bits(via):
                             penalty[b] = penalty.get(b, 0.0) + cost
                         m |= via
@@ -288,12 +329,89 @@ class KVIndex:
                 if low:  # held below GPU only: a hit worth its tier's weight
                     w = self.mask_weights
                     for b in _bits(low):
-                        mask = self._by_bit[b].by_key[k].mask
+                        mask = self._by_bit[b].by_key[k].mask & _MEDIA
                         penalty[b] = penalty.get(b, 0.0) + 1.0 - w[mask]
         else:
             for b in _bits(alive):
                 runs[b] = i + 1
         return {b: (n, n - penalty.get(b, 0.0)) for b, n in runs.items()}
+
+    def _grouped_match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
+        """The hybrid rule for one endpoint with KV groups: (hit blocks, tier-weighted).
+
+        The full-attention groups bound the hit (a run from block 0); below that bound the
+        hit point L walks down until every sliding group holds the ``window_blocks`` blocks
+        before L. A block missing at j in a window rules out every L in (j, j + need], so L
+        jumps to j: one dict probe per block at most.
+        """
+        bs = ep.block_size or 1
+        w = self.mask_weights
+        full = [GROUP_SHIFT * g for g, win in ep.layout.items() if not win]
+        sliding = [(GROUP_SHIFT * g, window_blocks(win, bs)) for g, win in ep.layout.items() if win]
+        tiers = [
+            self._by_bit[tb].by_key
+            for tb, members in self._tier_members.items()
+            if members & ep.bit and self._by_bit[tb].by_key
+        ]
+        get = ep.by_key.get
+        masks: dict[int, int] = {}
+
+        def mask_at(i: int) -> int:
+            m = masks.get(i)
+            if m is None:
+                e = get(keys[i])
+                m = e.mask if e is not None else 0
+                for t in tiers:  # a shared tier's copy counts for every member
+                    te = t.get(keys[i])
+                    if te is not None:
+                        m |= te.mask
+                masks[i] = m
+            return m
+
+        top = len(keys)
+        costs: list[float] = []  # per block: its worst tier among the full-attention groups
+        if full:
+            for i in range(len(keys)):
+                m = mask_at(i)
+                cost = 0.0
+                for s in full:
+                    g = (m >> s) & _MEDIA
+                    if not g:
+                        break
+                    if 1.0 - w[g] > cost:
+                        cost = 1.0 - w[g]
+                else:
+                    costs.append(cost)
+                    continue
+                top = i
+                break
+        hit = top
+        while hit > 0 and sliding:
+            bound = hit
+            for s, need in sliding:
+                for j in range(hit - 1, max(0, hit - need) - 1, -1):
+                    if not (mask_at(j) >> s) & _MEDIA:
+                        bound = min(bound, j)
+                        break
+            if bound == hit:
+                break
+            hit = bound
+        if not hit:
+            return 0, 0.0
+        # Weight: each block costs its worst tier among the groups that need it.
+        cost = sum(costs[:hit]) if full else 0.0
+        span = max((need for _, need in sliding), default=0)
+        for i in range(max(0, hit - span), hit):
+            m = mask_at(i)
+            base = costs[i] if full else 0.0
+            worst = base
+            for s, need in sliding:
+                if i >= hit - need:
+                    c = 1.0 - w[(m >> s) & _MEDIA]
+                    if c > worst:
+                        worst = c
+            cost += worst - base
+        return hit, hit - cost
 
     # ------------------------------------------------------------------ updates
 
@@ -399,9 +517,18 @@ class KVIndex:
         hashes = ev.block_hashes
         tokens = ev.token_ids
         n = len(hashes)
-        if ev.kv_cache_spec_kind != "full_attention" or bs <= 0 or len(tokens) != n * bs:
+        group = ev.group_idx
+        if ev.kv_cache_spec_kind == FULL_ATTENTION:
+            window = 0
+        elif ev.kv_cache_spec_kind == SLIDING_WINDOW and (ev.kv_cache_spec_sliding_window or 0) > 0:
+            window = ev.kv_cache_spec_sliding_window
+        else:  # a kind we cannot score (or a window we do not know): not indexed
+            window = -1
+        if window < 0 or not 0 <= group < MAX_GROUPS or bs <= 0 or len(tokens) != n * bs:
             self.stats.skipped_events += 1
             return 0
+        if ep.layout.get(group) != window:
+            self._learn_group(ep, group, window)
         if ep.block_size != bs:
             if ep.block_size is not None:
                 logger.warning("block size changed %s -> %s: endpoint cleared", ep.block_size, bs)
@@ -432,7 +559,7 @@ class KVIndex:
                 x = extra[i] if i < len(extra) else None
                 parent = hash_block(parent, data[i * stride : (i + 1) * stride], x)
                 key_bytes.append(parent)
-        bit = medium_bit(ev.medium, ev.tier)
+        bit = medium_bit(ev.medium, ev.tier) << GROUP_SHIFT * group
         by_engine, by_key = ep.by_engine, ep.by_key
         holders, epbit = self._holders, ep.bit
         frm = int.from_bytes
@@ -487,6 +614,21 @@ class KVIndex:
         self._bound(ep)
         return n
 
+    def _learn_group(self, ep: _EndpointBlocks, group: int, window: int) -> None:
+        """A group seen for the first time, or one whose kind or window changed (a new model
+        behind the same address: what the endpoint held was another layout's)."""
+        if group in ep.layout:
+            logger.warning(
+                "KV group %d changed window %s -> %s: endpoint cleared",
+                group,
+                ep.layout[group],
+                window,
+            )
+            self._clear(ep)
+            self.stats.layout_changes += 1
+        ep.layout[group] = window
+        ep.grouped = ep.layout != {0: 0}
+
     @staticmethod
     def _resolve(ep: _EndpointBlocks, engine_hash: int) -> bytes | None:
         """Our key bytes of ``ep``'s block ``engine_hash`` (held, or a recent ghost)."""
@@ -513,7 +655,10 @@ class KVIndex:
             self._lower.pop(key, None)
 
     def _remove(self, ep: _EndpointBlocks, ev: BlockRemoved) -> int:
-        bit = medium_bit(ev.medium, ev.tier)
+        if not 0 <= ev.group_idx < MAX_GROUPS:
+            self.stats.skipped_events += 1
+            return 0
+        bit = medium_bit(ev.medium, ev.tier) << GROUP_SHIFT * ev.group_idx
         by_engine, by_key = ep.by_engine, ep.by_key
         for h in ev.block_hashes:
             e = by_engine.get(h)
