@@ -318,7 +318,7 @@ def main() -> None:
     ap.add_argument("--step-contexts", default="2048", help="model step contexts (part 3)")
     ap.add_argument("--calls", type=int, default=15, help="timed calls per variant and cell")
     ap.add_argument("--model-dir", default=None, help="reuse a small-preset model directory")
-    ap.add_argument("--isa", default=None, help="kernel paths: avx512 | avx2 | baseline")
+    ap.add_argument("--isa", default=None, help="kernel paths (avx512bf16, avx512, ...)")
     ap.add_argument("--out", default="benchmarks/results/decode_paged_vs_dense")
     args = ap.parse_args()
     if args.quick:

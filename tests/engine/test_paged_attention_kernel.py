@@ -28,9 +28,11 @@ pytestmark = pytest.mark.skipif(
     not NATIVE_AVAILABLE and shutil.which("cc") is None, reason="no C compiler: kernel not built"
 )
 
-# bf16: the kernel widens bf16 K/V/Q to fp32, accumulates in fp32 and rounds the output once,
-# so it is within half a bf16 ulp (<= 2^-8 relative) of exact attention over the same bf16
-# inputs, plus fp32 accumulation error (covered by the absolute term).
+# bf16: every path computes in fp32 from the bf16 inputs (the avx512/avx2/baseline paths widen
+# K/V/Q; the avx512bf16 path multiplies bf16 q and k pairs with `vdpbf16ps`, whose products are
+# exact in fp32 and summed in fp32, then scales the score) and rounds the output once, so it is
+# within half a bf16 ulp (<= 2^-8 relative) of exact attention over the same bf16 inputs, plus
+# fp32 accumulation error (covered by the absolute term).
 BF16_TOL = dict(rtol=2**-8, atol=1e-4)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -119,7 +121,7 @@ def batches(draw):
     return specs, hkv * group, hkv, d, bs, dtype, draw(st.integers(0, 2**16))
 
 
-@pytest.fixture(params=["avx512", "avx2", "baseline"])
+@pytest.fixture(params=["avx512bf16", "avx512", "avx2", "baseline"])
 def isa(request):
     """Each of the kernel's code paths in turn (a path the CPU lacks is skipped)."""
     from kvserve.engine.attention import _paged_attention as native

@@ -22,10 +22,15 @@
  * queries), so a tile rereads its context once per 64 rows with no cross-lane reductions.
  *
  * Math is fp32 whatever the storage: bf16 rows are widened with a 16-bit shift, the output is
- * rounded to nearest even. The per-item code (_paged_attention_vec.h) is compiled three times
- * from one source, without -march: AVX-512 with 16-lane vectors, AVX2+FMA with 8-lane ones
- * (each with its own register budget: one vector width for all lowered 64-byte vectors to
- * 2-4 AVX2 registers and spilled, 2.6x-14x slower) and the baseline with plain loops only; the
+ * rounded to nearest even. On CPUs with AVX512_BF16, bf16 caches skip the widening copy: q.k
+ * runs on the rows as stored with `vdpbf16ps` (bf16 pairs, products exact in fp32, fp32 sums;
+ * the raw bf16 query, the scale applied to the score; decode scores 16 keys at a time with one
+ * transposing reduction), and V rows are widened in registers for fp32 FMAs with the fp32
+ * probabilities. The per-item code (_paged_attention_vec.h) is compiled four times from one
+ * source, without -march: AVX-512 with AVX512_BF16 (GCC >= 10), AVX-512 with 16-lane vectors,
+ * AVX2+FMA with 8-lane ones (each with its own register budget: one vector width for all
+ * lowered 64-byte vectors to 2-4 AVX2 registers and spilled, 2.6x-14x slower) and the
+ * baseline with plain loops only; the
  * widest the CPU supports runs (chosen at import), so one build runs on any x86-64. Head dims
  * 64, 96 and 128 get unrolled vector copies, others plain loops (each copy adds seconds to the
  * build). The GIL is released while the kernel runs.
@@ -37,6 +42,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -48,7 +56,9 @@
 #else
 #define PA_X86 0
 #endif
+#define PA_X86_BF16 (PA_X86 && __GNUC__ >= 10) /* AVX512_BF16 intrinsics */
 #define PA_INLINE static inline __attribute__((always_inline))
+
 
 #define TILE_ROWS 64 /* query rows (queries x grouped heads) per work item */
 #define CHUNK 32     /* context tokens per online-softmax step */
@@ -213,6 +223,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 #define pv_rows pv_rows_512
 #define scores_tr scores_tr_512
 #define tile_transposed tile_transposed_512
+#define tile_softmax tile_softmax_512
 #define rows_vec rows_vec_512
 #define chunk_rows chunk_rows_512
 #define attend_d attend_d_512
@@ -227,11 +238,51 @@ typedef float vf4 __attribute__((vector_size(16)));
 #undef pv_rows
 #undef scores_tr
 #undef tile_transposed
+#undef tile_softmax
 #undef rows_vec
 #undef chunk_rows
 #undef attend_d
 #undef attend_item
 #pragma GCC pop_options
+
+#if PA_X86_BF16
+/* AVX-512 with AVX512_BF16: the AVX-512 code plus, for bf16 caches, q.k by `vdpbf16ps` on
+ * rows as stored (PA_BF16 in the header); fp32 caches run the AVX-512 copy. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512bf16,avx2,fma,bmi,bmi2,lzcnt,f16c")
+#define VW 16
+#define PA_BF16 1
+#define vf vf_b16
+#define vf_u vf_u_b16
+#define vload vload_b16
+#define vstore vstore_b16
+#define hsum hsum_b16
+#define pv_rows pv_rows_b16
+#define scores_tr scores_tr_b16
+#define tile_transposed tile_transposed_b16
+#define tile_softmax tile_softmax_b16
+#define rows_vec rows_vec_b16
+#define chunk_rows chunk_rows_b16
+#define attend_d attend_d_b16
+#define attend_item attend_item_b16
+#include "_paged_attention_vec.h"
+#undef PA_BF16
+#undef VW
+#undef vf
+#undef vf_u
+#undef vload
+#undef vstore
+#undef hsum
+#undef pv_rows
+#undef scores_tr
+#undef tile_transposed
+#undef tile_softmax
+#undef rows_vec
+#undef chunk_rows
+#undef attend_d
+#undef attend_item
+#pragma GCC pop_options
+#endif
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,bmi,bmi2,lzcnt,f16c")
@@ -244,6 +295,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 #define pv_rows pv_rows_256
 #define scores_tr scores_tr_256
 #define tile_transposed tile_transposed_256
+#define tile_softmax tile_softmax_256
 #define rows_vec rows_vec_256
 #define chunk_rows chunk_rows_256
 #define attend_d attend_d_256
@@ -258,6 +310,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 #undef pv_rows
 #undef scores_tr
 #undef tile_transposed
+#undef tile_softmax
 #undef rows_vec
 #undef chunk_rows
 #undef attend_d
@@ -275,6 +328,7 @@ typedef float vf4 __attribute__((vector_size(16)));
 #define pv_rows pv_rows_128
 #define scores_tr scores_tr_128
 #define tile_transposed tile_transposed_128
+#define tile_softmax tile_softmax_128
 #define rows_vec rows_vec_128
 #define chunk_rows chunk_rows_128
 #define attend_d attend_d_128
@@ -291,13 +345,15 @@ typedef float vf4 __attribute__((vector_size(16)));
 #undef pv_rows
 #undef scores_tr
 #undef tile_transposed
+#undef tile_softmax
 #undef rows_vec
 #undef chunk_rows
 #undef attend_d
 #undef attend_item
 
-/* The widest path this CPU runs: 2 = AVX-512, 1 = AVX2 + FMA, 0 = baseline (set at import;
- * KVSERVE_PAGED_ATTENTION_ISA=avx2|baseline caps it, e.g. to test every path on one CPU). */
+/* The widest path this CPU runs: 3 = AVX-512 with AVX512_BF16, 2 = AVX-512, 1 = AVX2 + FMA,
+ * 0 = baseline (set at import; KVSERVE_PAGED_ATTENTION_ISA=avx512|avx2|baseline caps it, e.g.
+ * to test every path on one CPU). */
 static int pa_level;
 
 /* The widest path the CPU supports. */
@@ -309,7 +365,11 @@ static int cpu_level(void)
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("bmi2"))
+#if PA_X86_BF16
+        return __builtin_cpu_supports("avx512bf16") ? 3 : 2;
+#else
         return 2;
+#endif
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("bmi2"))
         return 1;
@@ -320,7 +380,13 @@ static int cpu_level(void)
 static void attend_item(const pa_args *a, const pa_item *it, float *ws)
 {
 #if PA_X86
-    if (pa_level == 2) {
+#if PA_X86_BF16
+    if (pa_level == 3 && a->elem == 2) {
+        attend_item_b16(a, it, ws);
+        return;
+    }
+#endif
+    if (pa_level >= 2) {
         attend_item_512(a, it, ws);
         return;
     }
@@ -488,7 +554,7 @@ static PyObject *attend(PyObject *Py_UNUSED(module), PyObject *const *args, Py_s
     Py_RETURN_NONE;
 }
 
-static const char *const level_names[] = {"baseline", "avx2", "avx512"};
+static const char *const level_names[] = {"baseline", "avx2", "avx512", "avx512bf16"};
 
 static PyObject *build_info(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(args))
 {
@@ -509,11 +575,11 @@ static PyObject *set_isa(PyObject *Py_UNUSED(module), PyObject *arg)
     if (name == NULL)
         return NULL;
     int level = -1;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         if (strcmp(name, level_names[i]) == 0)
             level = i;
     if (level < 0) {
-        PyErr_SetString(PyExc_ValueError, "isa must be baseline, avx2 or avx512");
+        PyErr_SetString(PyExc_ValueError, "isa must be baseline, avx2, avx512 or avx512bf16");
         return NULL;
     }
     const int cpu = cpu_level();
@@ -548,7 +614,9 @@ PyMODINIT_FUNC PyInit__paged_attention(void)
 {
     pa_level = cpu_level();
     const char *cap = getenv("KVSERVE_PAGED_ATTENTION_ISA");
-    if (cap != NULL && strcmp(cap, "avx2") == 0 && pa_level > 1)
+    if (cap != NULL && strcmp(cap, "avx512") == 0 && pa_level > 2)
+        pa_level = 2;
+    else if (cap != NULL && strcmp(cap, "avx2") == 0 && pa_level > 1)
         pa_level = 1;
     else if (cap != NULL && strcmp(cap, "baseline") == 0)
         pa_level = 0;

@@ -95,6 +95,42 @@ PA_INLINE void scores_tr(const float *restrict Qt, const float *const *kp, float
             vstore(St + tb * TILE_ROWS + VW * v, s[tb][v]);
 }
 
+/* The online-softmax step of a tile's M rows over one chunk's scores St ([n][TILE_ROWS], rows
+ * in the lanes; the causal mask applied here): probabilities left in St, each row's rescale
+ * factor in alpha. */
+PA_INLINE void tile_softmax(float *restrict St, float *mx, float *sum, float *alpha,
+                            const int64_t *nv, int64_t M, int64_t n)
+{
+    for (int64_t m = 0; m < M; m++) /* causal mask: only the diagonal chunk has any */
+        for (int64_t u = nv[m] < 0 ? 0 : nv[m]; u < n; u++)
+            St[u * TILE_ROWS + m] = -INFINITY;
+    float cmax[TILE_ROWS], psum[TILE_ROWS];
+    for (int64_t m = 0; m < M; m++) {
+        cmax[m] = mx[m];
+        psum[m] = 0.0f;
+    }
+    for (int64_t u = 0; u < n; u++)
+#pragma omp simd
+        for (int64_t m = 0; m < M; m++)
+            cmax[m] = St[u * TILE_ROWS + m] > cmax[m] ? St[u * TILE_ROWS + m] : cmax[m];
+#pragma omp simd
+    for (int64_t m = 0; m < M; m++) {
+        alpha[m] = exp_neg(mx[m] - cmax[m]);
+        mx[m] = cmax[m];
+    }
+    for (int64_t u = 0; u < n; u++) {
+        float *restrict row = St + u * TILE_ROWS;
+#pragma omp simd
+        for (int64_t m = 0; m < M; m++) {
+            const float e = exp_neg(row[m] - cmax[m]);
+            row[m] = e;
+            psum[m] += e;
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        sum[m] = sum[m] * alpha[m] + psum[m];
+}
+
 /* A tile of M >= 8 rows of one KV head (prefill) over one chunk: scores with the rows in the
  * vector lanes (Qt: the tile's queries transposed, [D][TILE_ROWS]), online softmax across the
  * lanes, then the accumulator update in row groups as for decodes. */
@@ -125,34 +161,8 @@ PA_INLINE void tile_transposed(const float *restrict Qt, float *restrict acc,
 #endif
 #undef PA_SCORES
     }
-    for (int64_t m = 0; m < M; m++) /* causal mask: only the diagonal chunk has any */
-        for (int64_t u = nv[m] < 0 ? 0 : nv[m]; u < n; u++)
-            St[u * TILE_ROWS + m] = -INFINITY;
-    float cmax[TILE_ROWS], alpha[TILE_ROWS], psum[TILE_ROWS];
-    for (int64_t m = 0; m < M; m++) {
-        cmax[m] = mx[m];
-        psum[m] = 0.0f;
-    }
-    for (int64_t u = 0; u < n; u++)
-#pragma omp simd
-        for (int64_t m = 0; m < M; m++)
-            cmax[m] = St[u * TILE_ROWS + m] > cmax[m] ? St[u * TILE_ROWS + m] : cmax[m];
-#pragma omp simd
-    for (int64_t m = 0; m < M; m++) {
-        alpha[m] = exp_neg(mx[m] - cmax[m]);
-        mx[m] = cmax[m];
-    }
-    for (int64_t u = 0; u < n; u++) {
-        float *restrict row = St + u * TILE_ROWS;
-#pragma omp simd
-        for (int64_t m = 0; m < M; m++) {
-            const float e = exp_neg(row[m] - cmax[m]);
-            row[m] = e;
-            psum[m] += e;
-        }
-    }
-    for (int64_t m = 0; m < M; m++)
-        sum[m] = sum[m] * alpha[m] + psum[m];
+    float alpha[TILE_ROWS];
+    tile_softmax(St, mx, sum, alpha, nv, M, n);
     const int RMAX = V_RMAX(D);
     for (int64_t m = 0; m < M; m += RMAX) {
         const int64_t R = M - m < RMAX ? M - m : RMAX;
@@ -236,6 +246,208 @@ PA_INLINE void chunk_rows(const float *Q, float *acc, float *S, float *mx, float
         rows_generic(Q + m * D, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, 1, D);
 }
 
+#if PA_BF16
+/* bf16 caches on CPUs with AVX512_BF16: K rows are used as stored, q.k by `vdpbf16ps` (pairs
+ * of bf16 products, exact in fp32, summed in fp32) against the raw bf16 queries, the softmax
+ * scale applied to the scores; V rows are widened in registers (a 16-bit shift) for fp32 FMAs
+ * with the fp32 probabilities. No K/V row is copied: the math is the fp32 path's up to the
+ * order of the fp32 sums and the point where the scale is applied. */
+
+typedef uint16_t bf_t;
+
+PA_INLINE __m512bh vload_pairs(const void *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+/* VW bf16 at p, widened to fp32. */
+PA_INLINE vf vload_bf(const bf_t *p)
+{
+    const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+/* Lane j of the result: the sum of a[j]'s 16 lanes (16 horizontal sums in 30 shuffles and
+ * adds instead of 16 x 8). */
+PA_INLINE __m512 hsum16(const __m512 *a)
+{
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: [a0 lo+hi, a1 lo+hi] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane L: a[4i + L]'s 4 partial sums */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),
+                                   _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    /* e's lane 4L + k holds a[4k + L]'s sum */
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(idx, e);
+}
+
+/* s[0:n) (rounded up to 16, within the chunk) = scale * q.k[t] for one raw bf16 query row. */
+PA_INLINE void scores_bf(const bf_t *restrict q, const bf_t *const *kp, int64_t n,
+                         float *restrict s, const int NB, float scale)
+{
+    __m512bh qv[V_ND / 2];
+    for (int b = 0; b < NB; b++)
+        qv[b] = vload_pairs(q + 32 * b);
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        __m512 a[16];
+        for (int u = 0; u < 16; u++) {
+            const bf_t *k = kp[t0 + u < n ? t0 + u : t0];
+            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], vload_pairs(k));
+            for (int b = 1; b < NB; b++)
+                d = _mm512_dpbf16_ps(d, qv[b], vload_pairs(k + 32 * b));
+            a[u] = d;
+        }
+        _mm512_storeu_ps(s + t0, _mm512_mul_ps(hsum16(a), sc));
+    }
+}
+
+/* pv_rows over bf16 V rows; the first n_pf rows of pf (K, V at pf_kv bytes on) prefetched. */
+PA_INLINE void pv_rows_bf(float *restrict acc, const float *restrict P, int64_t rs, int64_t ts,
+                          const float *alpha, const bf_t *const *vp, int64_t n, const int R,
+                          const int ND, const char *const *pf, int64_t n_pf, int64_t pf_kv)
+{
+    const int D = ND * VW;
+    vf o[VMAX_ROWS][V_ND];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            o[r][j] = vload(acc + r * D + VW * j) * alpha[r];
+    for (int64_t t = 0; t < n; t++) {
+        if (t < n_pf)
+            for (int j = 0; j < D * 2; j += 64) {
+                __builtin_prefetch(pf[t] + j);
+                __builtin_prefetch(pf[t] + pf_kv + j);
+            }
+        vf v[V_ND];
+        for (int j = 0; j < ND; j++)
+            v[j] = vload_bf(vp[t] + VW * j);
+        for (int r = 0; r < R; r++) {
+            const float p = P[r * rs + t * ts];
+            for (int j = 0; j < ND; j++)
+                o[r][j] += p * v[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < ND; j++)
+            vstore(acc + r * D + VW * j, o[r][j]);
+}
+
+/* R rows (grouped heads of a decode, or a short prefill tile) over one chunk. */
+PA_INLINE void rows_bf(const bf_t *const *qr, float *restrict acc, float *restrict S, float *mx,
+                       float *sum, const bf_t *const *kp, const bf_t *const *vp, int64_t n,
+                       const int64_t *nv, const int R, const int ND, float scale,
+                       const char *const *pf, int64_t n_pf, int64_t pf_kv)
+{
+    int64_t n_any = 0;
+    for (int r = 0; r < R; r++)
+        n_any = nv[r] > n_any ? nv[r] : n_any;
+    if (n_any <= 0)
+        return;
+    float alpha[VMAX_ROWS];
+    for (int r = 0; r < R; r++) {
+        scores_bf(qr[r], kp, n_any, S + r * CHUNK, ND / 2, scale);
+        alpha[r] = softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
+    }
+    pv_rows_bf(acc, S, CHUNK, 1, alpha, vp, n_any, R, ND, pf, n_pf, pf_kv);
+}
+
+/* Scores of TB keys against a tile's rows in the lanes (Qt2: [D / 2][TILE_ROWS] bf16 pairs of
+ * the raw queries), one broadcast pair of K elements per `vdpbf16ps`. */
+PA_INLINE void scores_tr_bf(const uint32_t *restrict Qt2, const bf_t *const *kp,
+                            float *restrict St, const int TB, const int MV, const int D,
+                            float scale)
+{
+    __m512 s[4][V_MV];
+    for (int tb = 0; tb < TB; tb++)
+        for (int v = 0; v < MV; v++)
+            s[tb][v] = _mm512_setzero_ps();
+    for (int i = 0; i < D / 2; i++) {
+        __m512bh q[V_MV];
+        for (int v = 0; v < MV; v++)
+            q[v] = vload_pairs(Qt2 + i * TILE_ROWS + 16 * v);
+        for (int tb = 0; tb < TB; tb++) {
+            uint32_t kk;
+            memcpy(&kk, kp[tb] + 2 * i, 4);
+            const __m512bh k = (__m512bh)_mm512_set1_epi32((int)kk);
+            for (int v = 0; v < MV; v++)
+                s[tb][v] = _mm512_dpbf16_ps(s[tb][v], q[v], k);
+        }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int tb = 0; tb < TB; tb++)
+        for (int v = 0; v < MV; v++)
+            _mm512_storeu_ps(St + tb * TILE_ROWS + 16 * v, _mm512_mul_ps(s[tb][v], sc));
+}
+
+/* tile_transposed for bf16 rows. */
+PA_INLINE void tile_bf(const uint32_t *restrict Qt2, float *restrict acc, float *restrict St,
+                       float *mx, float *sum, const bf_t *const *kp, const bf_t *const *vp,
+                       int64_t n, const int64_t *nv, int64_t M, const int ND, float scale,
+                       const char *const *pf, int64_t n_pf, int64_t pf_kv)
+{
+    const int D = ND * VW;
+    int64_t t = 0;
+    switch ((M + VW - 1) / VW) {
+#define PA_SCORES(mv)                                                                         \
+    case mv:                                                                                  \
+        for (; t + V_TB <= n; t += V_TB)                                                      \
+            scores_tr_bf(Qt2, kp + t, St + t * TILE_ROWS, V_TB, mv, D, scale);                \
+        for (; t < n; t++)                                                                    \
+            scores_tr_bf(Qt2, kp + t, St + t * TILE_ROWS, 1, mv, D, scale);                   \
+        break;
+        PA_SCORES(1)
+        PA_SCORES(2)
+        PA_SCORES(3)
+        PA_SCORES(4)
+#undef PA_SCORES
+    }
+    float alpha[TILE_ROWS];
+    tile_softmax(St, mx, sum, alpha, nv, M, n);
+    const int RMAX = V_RMAX(D);
+    for (int64_t m = 0; m < M; m += RMAX) {
+        const int64_t R = M - m < RMAX ? M - m : RMAX;
+        const int64_t npf = m == 0 ? n_pf : 0;
+        if (R == RMAX)
+            pv_rows_bf(acc + m * D, St + m, 1, TILE_ROWS, alpha + m, vp, n, RMAX, ND, pf, npf,
+                       pf_kv);
+        else
+            for (int64_t r = 0; r < R; r++)
+                pv_rows_bf(acc + (m + r) * D, St + m + r, 1, TILE_ROWS, alpha + m + r, vp, n, 1,
+                           ND, pf, r == 0 ? npf : 0, pf_kv);
+    }
+}
+
+/* All M rows of one KV head over one chunk in register groups (rows_bf). */
+PA_INLINE void chunk_rows_bf(const bf_t *const *qr, float *acc, float *S, float *mx, float *sum,
+                             const bf_t *const *kp, const bf_t *const *vp, int64_t n,
+                             const int64_t *nv, int64_t M, const int ND, float scale,
+                             const char *const *pf, int64_t n_pf, int64_t pf_kv)
+{
+    const int RMAX = V_RMAX(ND * VW);
+    for (int64_t m = 0; m < M; m += RMAX) {
+        const int64_t R = M - m < RMAX ? M - m : RMAX;
+        const int64_t npf = m == 0 ? n_pf : 0;
+        const int64_t D = ND * VW;
+#define PA_ROWS(r)                                                                            \
+    case r:                                                                                   \
+        rows_bf(qr + m, acc + m * D, S, mx + m, sum + m, kp, vp, n, nv + m, r, ND, scale, pf, \
+                npf, pf_kv);                                                                  \
+        break;
+        switch (R) {
+            PA_ROWS(1)
+            PA_ROWS(2)
+            PA_ROWS(3)
+            PA_ROWS(4)
+        }
+#undef PA_ROWS
+    }
+}
+#endif /* PA_BF16 */
+
 /* One work item. D and vec are constants at every call: vec (D a multiple of VW, <= 128)
  * selects the vector paths, which then compile only for the specialized head dims. */
 PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const int64_t D,
@@ -272,6 +484,26 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
         mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
         sum[m] = 0.0f;
     }
+#if PA_BF16
+    const int bfp = vec && elem == 2; /* bf16 rows used as stored (rows_bf, tile_bf) */
+    const char *q0 = a->q + (q_start + it->q0) * a->q_st * elem; /* the tile's first query */
+#define PA_QROW(m) /* raw bf16 query of row m */                                             \
+    ((const bf_t *)(q0 + (((m) % M) / G * a->q_st +                                          \
+                          ((it->h0 + (m) / M) * G + (m) % M % G) * a->q_sh) * 2))
+    if (transposed && bfp) {
+        uint32_t *restrict Qt2 = (uint32_t *)Qt;
+        const bf_t *qr[TILE_ROWS];
+        for (int64_t m = 0; m < M; m++)
+            qr[m] = PA_QROW(m);
+        for (int64_t i = 0; i < D / 2; i++)
+            for (int64_t m = 0; m < TILE_ROWS; m++) {
+                uint32_t pair = 0;
+                if (m < M)
+                    memcpy(&pair, qr[m] + 2 * i, 4);
+                Qt2[i * TILE_ROWS + m] = pair;
+            }
+    } else
+#endif
     if (transposed)
         for (int64_t j = 0; j < D; j++)
             for (int64_t m = 0; m < TILE_ROWS; m++)
@@ -312,6 +544,29 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
         }
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t hoff = hh * a->c_head * elem;
+#if PA_BF16
+            if (bfp) {
+                const bf_t *kb[CHUNK], *vb[CHUNK], *qr[TILE_ROWS];
+                const char *pf[CHUNK];
+                for (int64_t t = 0; t < n; t++) {
+                    kb[t] = (const bf_t *)(slot[t] + hoff);
+                    vb[t] = (const bf_t *)(slot[t] + hoff + s_kv);
+                }
+                for (int64_t t = 0; t < n_next; t++)
+                    pf[t] = next[t] + hoff;
+                const int64_t m0 = hh * M;
+                if (transposed) {
+                    tile_bf((const uint32_t *)Qt, acc, S, mx, sum, kb, vb, n, nv, M,
+                            (int)(D / VW), a->scale, pf, n_next, s_kv);
+                    continue;
+                }
+                for (int64_t i = 0; i < M; i++)
+                    qr[i] = PA_QROW(m0 + i);
+                chunk_rows_bf(qr, acc + m0 * D, S, mx + m0, sum + m0, kb, vb, n, nv, M,
+                              (int)(D / VW), a->scale, pf, n_next, s_kv);
+                continue;
+            }
+#endif
             /* fp32 decode rows: prefetched inside the score loop (rows_vec). */
             const int pf_in_rows = elem == 4 && vec && !transposed;
             const char *pf[CHUNK];
@@ -359,6 +614,10 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
         }
     }
 }
+
+#ifdef PA_QROW
+#undef PA_QROW
+#endif
 
 static void attend_item(const pa_args *a, const pa_item *it, float *ws)
 {

@@ -9,7 +9,8 @@ built once per step and kept on the :class:`AttentionMetadata`.
 The kernel is optional at install (``setup.py``); :data:`AVAILABLE` says whether it was built.
 Whatever it does not cover (CUDA tensors, fp16, views whose head dim is not contiguous, more
 than 32 query heads per KV head) goes to the torch backend, which is also the tests' oracle.
-Its fast paths (:data:`FAST`) are AVX-512 and AVX2 code for head dims 64, 96 and 128; elsewhere
+Its fast paths (:data:`FAST`) are AVX-512 (with AVX512_BF16: bf16 q.k by ``vdpbf16ps`` on K rows
+as stored) and AVX2 code for head dims 64, 96 and 128; elsewhere
 it is correct but plain loops, slower than the torch backend, so ``auto`` uses it only where
 fast, and on AVX2 for decode-only steps (its AVX2 prefill measured ~1.1x the torch backend's
 time, its AVX2 decode ~0.5x; benchmarks/results/decode_paged_vs_dense.md).
@@ -29,10 +30,11 @@ except ImportError:  # built without a C compiler (setup.py marks the extension 
 
 # Whether the native kernel was built (else only the torch backend exists).
 AVAILABLE = _native is not None
-# The paths it runs on this CPU (avx512 | avx2 | baseline) and whether they are fast ones
-# (register-blocked vector code for head dims FAST_HEAD_DIMS).
+# The paths it runs on this CPU (avx512bf16 | avx512 | avx2 | baseline) and whether they are fast
+# ones (register-blocked vector code for head dims FAST_HEAD_DIMS).
 ISA = _native.build_info()["isa"] if _native is not None else None
-FAST = ISA in ("avx512", "avx2")
+FAST = ISA in ("avx512bf16", "avx512", "avx2")
+PREFILL_FAST_ISAS = ("avx512bf16", "avx512")  # where prefill tiles are fast too (AVX2: decode)
 FAST_HEAD_DIMS = (64, 96, 128)
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
@@ -122,7 +124,7 @@ class NativeAttentionBackend:
         layer of the paged cache ``[num_blocks, 2, block_size, H_kv, D]``. Stores k/v at
         ``meta.slot_mapping`` and returns the attention output ``[T, H_q, D]``."""
         if not self.supports(q, k, v, kv_layer) or (
-            self.fast_only and meta.num_prefills and ISA != "avx512"
+            self.fast_only and meta.num_prefills and ISA not in PREFILL_FAST_ISAS
         ):
             return self.fallback.forward(q, k, v, kv_layer, meta, scale)
         slots = meta.slot_mapping
