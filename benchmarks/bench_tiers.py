@@ -11,17 +11,19 @@ Five measurements (issue 11), each a ratio against a baseline measured in the sa
    then (removed from fs) through redis / TTFT of B recomputing a prompt of the same length.
    A and B are two engines in one process (each its own host tier, storage worker and tier
    clients; the same fs directory and server). Goal >= 3x.
-3. Tier read bandwidth (the staging reads of measurement 1: payload bytes / wall time of the
-   storage worker's read operation, verification and copy into host slots included) / raw
-   bandwidth of the same medium for the same chunks, right after each read: a plain read of
-   the same slots (disk, O_DIRECT when the tier uses it) or files (fs), a plain pipelined GET of
-   the same values from the same server (redis); the raw read runs with the tier's concurrency
-   and with one thread, the better of the two is the reference. Goal >= 0.7.
+3. Tier read bandwidth (the storage worker's read of one prompt's chunks, as a staging read:
+   payload bytes / wall time, verification included) / raw bandwidth of the same medium for
+   the same chunks: a plain read of the same slots (disk, O_DIRECT when the tier uses it) or
+   files (fs), a plain pipelined GET of the same values from the same server (redis), with the
+   tier's concurrency and with one thread; interleaved rounds (order rotating), per round the
+   tier against the faster raw read, the median over rounds. Goal >= 0.7.
 4. Decode throughput while the lower tiers absorb a store stream / the same with them
    detached (one engine; its storage worker attached or detached between runs; interleaved
    runs, order alternating, medians): (a) the engine's own stream (a decode batch while long
    prompts prefill, every chunk cascaded); (b) a heavy stream: a decode batch while a feeder
-   thread keeps the storage worker's write queue full of unique chunks. Goal >= 0.97.
+   thread keeps the storage worker's write queue full of unique chunks. Writes in the
+   engine's writer process (the default) and, for comparison, in writer threads of the
+   engine's process. Goal >= 0.97.
 5. Prefill throughput vs hit rate, working set 4x the host tier (disk tier on / off, one
    engine, the disk tier detached for "off"): a warm-up stores every working-set prompt; each
    measured batch mixes re-used working-set prompts and fresh ones. Plotted to PNG.
@@ -53,7 +55,7 @@ from typing import Any
 from kvserve import LLM, SamplingParams
 from kvserve.bench.machine import describe_machine, machine_markdown
 from kvserve.bench.redis_server import RedisServer
-from kvserve.kv.offload.storage_worker import read_groups
+from kvserve.kv.offload.storage_worker import ReadItem, StorageWorker, read_groups
 from kvserve.model.presets import make_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -63,6 +65,8 @@ TIER_ORDER = ("disk", "fs", "redis")
 # backends' I/O pools and sweeper, the Valkey server process). The feeder is neither.
 ENGINE_CPU = ("thread:MainThread", "thread:native", "thread:kv-offload", "thread:kv-copy")
 TIER_CPU = (
+    "proc:storage-writer",
+    "thread:kv-writer-ack",
     "thread:kv-storage",
     "thread:kv-disk",
     "thread:kv-fs",
@@ -226,17 +230,41 @@ class ConnectorTimer:
 
 class StorageSwitch:
     """Attach or detach an engine's storage tiers between runs (nothing in flight): detached,
-    the connector neither cascades stores nor looks below the host tier."""
+    the connector neither cascades stores nor looks below the host tier. Attached, through
+    the engine's own storage worker (writes in its writer process) or through a second
+    worker on the same tiers whose writes run in writer threads of this process (the
+    previous design, for comparison)."""
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.storage = llm.engine.connector.storage
-        assert self.storage is not None
+        conn = llm.engine.connector
+        self.storage = conn.storage
+        assert self.storage is not None and self.storage.writer is not None
+        self.threaded: StorageWorker | None = None
 
-    def set(self, on: bool) -> None:
+    def worker(self, mode: str) -> StorageWorker:
+        if mode == "proc":
+            return self.storage
+        if self.threaded is None:
+            cfg = self.llm.engine.config
+            self.threaded = StorageWorker(
+                self.llm.engine.connector.tiers,
+                io_threads=cfg.kv_tier_io_threads,
+                max_pending_writes=cfg.kv_tier_max_pending_writes,
+            )
+        return self.threaded
+
+    def set(self, mode: str | None) -> None:
+        """``proc``, ``thread`` or None (detached)."""
         eng = self.llm.engine
         assert not eng.has_unfinished_requests() and not eng.connector._write_ops
-        eng.connector.storage = self.storage if on else None
+        eng.connector.storage = None if mode is None else self.worker(mode)
+
+    def close(self) -> None:
+        self.set("proc")
+        if self.threaded is not None:  # its tiers are the engine's: not closed here
+            self.threaded._reads.shutdown(wait=True)
+            self.threaded._writes.shutdown(wait=True)
 
 
 class CpuAccount:
@@ -516,14 +544,9 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
     reads = ReadOps(llm)
     rng = random.Random(3)
     min_hit = length - args.chunk_tokens - 1
-    rows: dict[str, dict[str, list]] = {
-        t: {"ttft_s": [], "read_GB_s": [], "raw_same_GB_s": [], "raw_1_GB_s": [], "ratio": []}
-        for t in TTFT_RUNS
-    }
+    rows: dict[str, dict[str, list]] = {t: {"ttft_s": [], "read_GB_s": []} for t in TTFT_RUNS}
     cold: list[float] = []
     host: list[float] = []
-    io_threads = llm.engine.config.kv_tier_io_threads
-    read_batch = 0
     generate1(llm, prompts_of(rng, 1, 256, st.vocab)[0])  # warm up
     for _rep in range(args.reps):
         p = prompts_of(rng, 1, length, st.vocab)[0]
@@ -532,9 +555,6 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
         out = generate1(llm, p)  # recomputed; stored in host memory and cascaded to every tier
         cold.append(out.metrics.time_to_first_token)
         keys = host_keys(llm)
-        # The tier reads a staging read's chunks in groups of contiguous chunks (raw redis:
-        # pipelines of the same length).
-        read_batch = len(read_groups(list(range(len(keys))), io_threads)[0])
         written = {t: delta(v, before[t])["written"] for t, v in tier_counts(llm).items()}
         assert all(w >= len(keys) for w in written.values()), written
         progress(f"recompute {length} tokens: {cold[-1] * 1e3:.0f} ms ({len(keys)} chunks)")
@@ -548,17 +568,7 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
         for run in TTFT_RUNS:
             name = run.split("-")[0]
             tier = tier_by_name(llm, name)
-            cold_cache = run.endswith("-cold")
-
-            def raw(threads: int, batch: int) -> float:
-                if cold_cache:  # noqa: B023 (called in this iteration only)
-                    drop_fs_cache(tier, keys)  # noqa: B023
-                return raw_read(tier, keys, threads, batch)  # noqa: B023
-
-            # Raw reads before and after the tier's read (a medium's cache, such as the
-            # hypervisor's under a virtual disk, must not favour either side).
-            raws = [raw(io_threads, read_batch), raw(1, len(keys))]
-            if cold_cache:
+            if run.endswith("-cold"):
                 drop_fs_cache(tier, keys)
             forget_above_storage(llm)
             before = tier_counts(llm)
@@ -568,21 +578,12 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
             ext = out.metrics.num_external_cached_tokens
             assert ext >= min_hit and got["hits"] == len(keys), (name, ext, got)
             nbytes, secs = reads.take()
-            bw = nbytes / secs
-            raws += [raw(io_threads, read_batch), raw(1, len(keys))]
-            raw_same, raw_1 = max(raws[0], raws[2]), max(raws[1], raws[3])
             r = rows[run]
-            if name == "redis":  # for reference: redis-py's own pipeline (not the best raw)
-                py = raw_read(tier, keys, io_threads, read_batch, client="redis-py")
-                r.setdefault("raw_redis_py_GB_s", []).append(py / 1e9)
             r["ttft_s"].append(out.metrics.time_to_first_token)
-            r["read_GB_s"].append(bw / 1e9)
-            r["raw_same_GB_s"].append(raw_same / 1e9)
-            r["raw_1_GB_s"].append(raw_1 / 1e9)
-            r["ratio"].append(bw / max(raw_same, raw_1))
+            r["read_GB_s"].append(nbytes / secs / 1e9)
             progress(
-                f"{run}: TTFT {r['ttft_s'][-1] * 1e3:.0f} ms, read {bw / 1e9:.2f} GB/s "
-                f"(raw {raw_same / 1e9:.2f} / one thread {raw_1 / 1e9:.2f})"
+                f"{run}: TTFT {r['ttft_s'][-1] * 1e3:.0f} ms, staging read "
+                f"{r['read_GB_s'][-1]:.2f} GB/s"
             )
             if run != "fs":
                 tier.remove(keys)  # the next tier down serves the next run
@@ -590,8 +591,6 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
     info = {
         "disk_o_direct": disk.o_direct,
         "disk_zero_copy": disk._zero_copy_ok,
-        "io_threads": io_threads,
-        "read_batch": read_batch,
         "tier_stats": tier_counts(llm),
     }
     llm.shutdown()
@@ -610,8 +609,83 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
             "ttft_median_s": w,
             "speedup": c / w,
             "read_median_GB_s": statistics.median(r["read_GB_s"]),
-            "ratio_median": statistics.median(r["ratio"]),
         }
+    return res
+
+
+# ------------------------------------------------------------------------------ 3
+def bench_read_ratio(st: Setup, args, progress) -> dict:
+    """Measurement 3: the storage worker's read of a prompt's chunks from each tier (what a
+    staging read does: groups of contiguous chunks over the I/O threads, each verified) / a
+    plain read of the same bytes, in ``read_rounds`` interleaved rounds, the order rotating;
+    per round, the tier against the faster raw read of that round."""
+    length = args.ttft_len
+    prompt_bytes = length * st.kv_bytes_per_token
+    root = st.subdir("read")
+    st.flush_redis()
+    llm = st.llm(
+        st.tier_specs(TIER_ORDER, root, 2 * prompt_bytes + (64 << 20)),
+        2 * prompt_bytes + (16 << 20),
+    )
+    rng = random.Random(4)
+    generate1(llm, prompts_of(rng, 1, length, st.vocab)[0])  # stored and cascaded (drained)
+    keys = host_keys(llm)
+    conn = llm.engine.connector
+    storage = conn.storage
+    io_threads = storage.io_threads
+    batch = len(read_groups(list(range(len(keys))), io_threads)[0])
+    payload = conn.tier.layout.chunk_bytes
+    dest = memoryview(_destination(len(keys) * payload))  # page-aligned, faulted in: as slots
+    outs = [dest[i * payload : (i + 1) * payload] for i in range(len(keys))]
+
+    def tier_read(t: int) -> float:
+        op = storage.read([ReadItem(t, k, o) for k, o in zip(keys, outs, strict=True)])
+        while True:  # the engine is idle: this read's result is the only one to come
+            storage.wait_any(1.0)
+            for r in storage.poll():
+                assert r.op_id == op and all(r.ok), (r.op_id, op, r.ok)
+                return r.nbytes / r.seconds
+
+    res: dict = {"chunks": len(keys), "io_threads": io_threads, "read_batch": batch}
+    for run in TTFT_RUNS:
+        name = run.split("-")[0]
+        t = next(i for i, x in enumerate(conn.tiers) if x.name == name)
+        tier = conn.tiers[t]
+        cold = run.endswith("-cold")
+        kinds: dict[str, Callable[[], float]] = {
+            "tier": lambda t=t: tier_read(t),
+            "raw": lambda tier=tier: raw_read(tier, keys, io_threads, batch),
+            "raw_1": lambda tier=tier: raw_read(tier, keys, 1, len(keys)),
+        }
+        if name == "redis":  # for reference: redis-py's own pipeline (its parser copies)
+            kinds["raw_redis_py"] = lambda tier=tier: raw_read(
+                tier, keys, io_threads, batch, client="redis-py"
+            )
+        order = list(kinds)
+        rows: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(args.read_rounds):
+            for k in order[i % len(order) :] + order[: i % len(order)]:
+                if cold:  # every read, the tier's and the raw ones, goes to the device
+                    drop_fs_cache(tier, keys)
+                rows[k].append(kinds[k]() / 1e9)
+        ratios = [
+            a / max(b, c) for a, b, c in zip(rows["tier"], rows["raw"], rows["raw_1"], strict=True)
+        ]
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        res[run] = {
+            "GB_s": rows,
+            "median_GB_s": med,
+            "ratios": ratios,
+            "ratio_median": statistics.median(ratios),
+            "ratio_of_medians": med["tier"] / max(med["raw"], med["raw_1"]),
+        }
+        progress(
+            f"{run}: tier {med['tier']:.2f} GB/s, raw {med['raw']:.2f} / one thread "
+            f"{med['raw_1']:.2f}; ratio {res[run]['ratio_median']:.2f} (rounds "
+            + ", ".join(f"{x:.2f}" for x in sorted(ratios))
+            + ")"
+        )
+    llm.shutdown()
     return res
 
 
@@ -669,15 +743,15 @@ class Feeder:
     would (``rate`` 0: whenever its bounded write queue has room, as fast as the tiers
     absorb)."""
 
-    def __init__(self, storage, payload_bytes: int, rate: float = 0.0, batch: int = 8) -> None:
-        import numpy as np
-
+    def __init__(self, storage, host, rate: float = 0.0, batch: int = 8) -> None:
         self.storage = storage
         self.batch = batch
+        payload_bytes = host.layout.chunk_bytes
         self.interval = batch * payload_bytes / rate if rate > 0 else 0.0
-        rng = np.random.default_rng(0)
-        self.bufs = [rng.integers(0, 255, payload_bytes, dtype=np.uint8) for _ in range(4 * batch)]
-        self.views = [memoryview(b) for b in self.bufs]
+        # Payloads in host-tier slots (a writer process reads them there, as the cascade's):
+        # the last ones of the tier, whatever they hold at the time.
+        n = min(4 * batch, host.num_slots)
+        self.views = [memoryview(host.slots_u8[host.num_slots - 1 - i].numpy()) for i in range(n)]
         self.chunks = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-feeder", daemon=True)
@@ -721,19 +795,24 @@ def set_process_policy(pid: int, policy: int) -> None:
 
 
 class WriterVariant:
-    """How the storage writers run in one "on" run of measurement 4: ``+``-joined settings,
-    ``idle`` / ``nice`` / ``normal`` (the writer threads' scheduling: ``SCHED_IDLE``, the
-    default, nice 19, or as the engine's threads), ``gap`` (writes paused while the engine
-    computes a step, resumed between steps; what a connector that signals step boundaries
-    would do), ``duty=F`` (writers held to a duty cycle F), ``srvidle`` (the local Valkey
-    server's threads under ``SCHED_IDLE`` too: a deployment choice for a server sharing the
-    engine's cores)."""
+    """How the storage writes run in one "on" run of measurement 4: ``+``-joined settings,
+    ``proc`` / ``thread`` (in the engine's writer process, the default, or in writer threads
+    of the engine's process, the previous design), ``idle`` / ``nice`` / ``normal`` (the
+    writers' scheduling: ``SCHED_IDLE``, the default, nice 19, or as the engine's threads),
+    ``gap`` (writes paused while the engine computes a step, resumed between steps:
+    ``kv_tier_write_pause``), ``duty=F`` (writers held to a duty cycle F,
+    ``kv_tier_write_duty``), ``srvidle`` (the local Valkey server's threads under
+    ``SCHED_IDLE`` too: a deployment choice for a server sharing the engine's cores)."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
-        self.policy, self.gap, self.duty, self.server_idle = "idle", False, 1.0, False
+        self.mode, self.policy, self.gap, self.duty, self.server_idle = (
+            "proc", "idle", False, 1.0, False,
+        )  # fmt: skip
         for part in spec.split("+"):
-            if part in ("idle", "nice", "normal"):
+            if part in ("proc", "thread"):
+                self.mode = part
+            elif part in ("idle", "nice", "normal"):
                 self.policy = part
             elif part == "gap":
                 self.gap = True
@@ -744,17 +823,13 @@ class WriterVariant:
             else:
                 raise ValueError(f"writer variant {spec!r}: unknown {part!r}")
 
-    def apply(self, llm: LLM, storage, server_pid: int) -> Callable[[], None]:
-        """Set it up on the engine; returns the undo."""
-        from kvserve.kv.backends.storage import lower_thread_priority
-
-        runner, write = llm.engine.runner, storage._write
+    def apply(self, llm: LLM, switch: StorageSwitch, server_pid: int) -> Callable[[], None]:
+        """Attach the tiers this way (the engine idle); returns the undo."""
+        switch.set(self.mode)
+        storage = switch.worker(self.mode)
+        storage.configure_writes(duty=self.duty, policy=self.policy)
+        runner = llm.engine.runner
         execute = runner.execute_model
-        policy = self.policy
-
-        def write_with_policy(*a, **kw):  # the pool's threads, whichever runs the write
-            lower_thread_priority(policy)
-            return write(*a, **kw)
 
         def execute_paused(*a, **kw):
             storage.pause_writes()
@@ -763,18 +838,15 @@ class WriterVariant:
             finally:
                 storage.resume_writes()
 
-        storage._write = write_with_policy
-        storage.write_duty = self.duty
         if self.gap:
             runner.execute_model = execute_paused
         if self.server_idle:
             set_process_policy(server_pid, os.SCHED_IDLE)
 
         def undo() -> None:
-            storage._write = write
-            storage.write_duty = 1.0
             runner.execute_model = execute
             storage.resume_writes()
+            storage.configure_writes(duty=1.0, policy="idle")
             if self.server_idle:
                 set_process_policy(server_pid, os.SCHED_OTHER)
 
@@ -795,7 +867,9 @@ def bench_decode(st: Setup, args, progress) -> dict:
     )
     switch = StorageSwitch(llm)
     timer = ConnectorTimer(llm.engine.connector)
-    acct = CpuAccount({"valkey-server": st.redis.proc.pid})
+    acct = CpuAccount(
+        {"valkey-server": st.redis.proc.pid, "storage-writer": switch.storage.writer.pid}
+    )
     rng = random.Random(5)
     dec_sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     pre_sp = SamplingParams(max_tokens=1, temperature=0.0)
@@ -809,8 +883,8 @@ def bench_decode(st: Setup, args, progress) -> dict:
         if kind == "own":
             prompts += prompts_of(rng, args.decode_prefills, args.decode_prefill_len, st.vocab)
             params += [pre_sp] * args.decode_prefills
-        switch.set(on)
-        undo = variant.apply(llm, switch.storage, st.redis.proc.pid) if variant else lambda: None
+        switch.set(None)
+        undo = variant.apply(llm, switch, st.redis.proc.pid) if variant else lambda: None
         before_t = tier_counts(llm) if on else {}
         s0 = acct.snapshot()
         c0 = timer.seconds
@@ -820,9 +894,9 @@ def bench_decode(st: Setup, args, progress) -> dict:
             end.update(cpu=acct.snapshot(), conn=timer.seconds, tiers=tier_counts(llm))
 
         try:
-            if kind == "heavy" and on:
-                payload = switch.storage.tiers[0].codec.payload_bytes
-                with Feeder(switch.storage, payload, args.heavy_mb_s * 1e6) as f:
+            if kind == "heavy" and variant is not None:
+                storage = switch.worker(variant.mode)
+                with Feeder(storage, llm.engine.connector.tier, args.heavy_mb_s * 1e6) as f:
                     _, t_done, drained = drive(llm, prompts, params, when_done=(n_dec, at_end))
                 fed = f.chunks
             else:
@@ -855,7 +929,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
                 k: delta(v, before_t[k])["written"] for k, v in tier_counts(llm).items()
             }
             row["drain_s"] = drained - t
-        switch.set(True)
+        switch.set("proc")
         return row
 
     def summary(on_rows: list[dict], off_rows: list[dict]) -> dict:
@@ -917,6 +991,7 @@ def bench_decode(st: Setup, args, progress) -> dict:
         for spec, r in res.items():
             if spec != variants[0].spec:
                 out[kind]["variants"][spec]["runs_on"] = r["runs_on"]
+    switch.close()
     llm.shutdown()
     return out
 
@@ -957,7 +1032,7 @@ def bench_hit_rate(st: Setup, args, progress) -> dict:
             k = round(frac * n)
             batch = rng.sample(working, k) + prompts_of(rng, n - k, L, st.vocab)
             rng.shuffle(batch)
-            switch.set(on)
+            switch.set("proc" if on else None)
             llm.reset_prefix_cache()
             before = conn.stats()
             outs, t_done, drained = drive(llm, batch, [sp] * n, concurrency=seqs)
@@ -975,7 +1050,7 @@ def bench_hit_rate(st: Setup, args, progress) -> dict:
                 "drain_s": drained - t,
                 "host_rejected_chunks": failed,
             }
-            switch.set(True)
+            switch.set("proc")
         points.append(row)
         progress(
             f"reuse {frac:.0%}: disk on {row['on']['throughput_tok_s']:.0f} tok/s "
@@ -1046,9 +1121,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--decode-batched-tokens", type=int, default=512)
     ap.add_argument("--decode-threads", type=int, default=None, help="torch threads of 4")
     ap.add_argument(
-        "--decode-variants", nargs="+", default=["idle"],
+        "--decode-variants", nargs="+", default=["proc", "thread"],
         help="writer settings of 4's runs with tiers (first: the headline), each against the "
-        "same detached runs: +-joined idle|nice|normal, gap, duty=F, srvidle (WriterVariant)",
+        "same detached runs: +-joined proc|thread, idle|nice|normal, gap, duty=F, srvidle "
+        "(WriterVariant)",
     )  # fmt: skip
     ap.add_argument(
         "--heavy-mb-s", type=float, default=100.0,
@@ -1059,7 +1135,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--ws-host-prompts", type=int, default=4)
     ap.add_argument("--ws-batch", type=int, default=8)
     ap.add_argument("--hit-rates", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
-    ap.add_argument("--skip", nargs="*", default=[], help="ttft cross decode hitrate")
+    ap.add_argument("--read-rounds", type=int, default=7, help="interleaved rounds of 3")
+    ap.add_argument("--skip", nargs="*", default=[], help="ttft read cross decode hitrate")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--out", default=None, help="results basename (default tiers_<preset>)")
     args = ap.parse_args(argv)
@@ -1081,7 +1158,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = parse_args(argv)
-    steps = [s for s in ("ttft", "cross", "decode", "hitrate") if s not in args.skip]
+    steps = [s for s in ("ttft", "read", "cross", "decode", "hitrate") if s not in args.skip]
     st = Setup(args)
     res: dict = {"preset": args.preset, "args": vars(args)}
     res["tier_dir"] = str(st.dir)
@@ -1100,6 +1177,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         fns = {
             "ttft": bench_ttft_tiers,
+            "read": bench_read_ratio,
             "cross": bench_cross_instance,
             "decode": bench_decode,
             "hitrate": bench_hit_rate,
@@ -1178,16 +1256,16 @@ def report(res: dict, name: str) -> str:
                 f"recompute / B from tier | {r['speedup']:.1f}x ({c * 1e3:.0f} / "
                 f"{r['ttft_median_s'] * 1e3:.0f} ms) | {_goal(r['speedup'], 3.0)} |"
             )
-    if "ttft" in res:
-        t = res["ttft"]
+    if "read" in res:
+        rd = res["read"]
         for tier in TTFT_RUNS:
-            r = t[tier]
+            r = rd[tier]
+            m = r["median_GB_s"]
             lines.append(
                 f"| 3. `{tier}` read bandwidth / raw read of the same bytes | "
-                f"{r['ratio_median']:.2f} ({r['read_median_GB_s']:.2f} GB/s; raw "
-                f"{statistics.median(r['raw_same_GB_s']):.2f} with {t['io_threads']} threads, "
-                f"{statistics.median(r['raw_1_GB_s']):.2f} with one) | "
-                f"{_goal(r['ratio_median'], 0.7)} |"
+                f"{r['ratio_median']:.2f} (rounds {min(r['ratios']):.2f}-{max(r['ratios']):.2f};"
+                f" {m['tier']:.2f} GB/s; raw {m['raw']:.2f} with {rd['io_threads']} threads, "
+                f"{m['raw_1']:.2f} with one) | {_goal(r['ratio_median'], 0.7)} |"
             )
     what = {
         "own": "the engine's own stream (decode batch + long prompts prefilling, cascaded)",
@@ -1271,16 +1349,17 @@ def report(res: dict, name: str) -> str:
         "- 2: instances A and B are two engines in one process (own host tiers, storage "
         "workers and tier clients; the same fs directory and Valkey server); B's baseline "
         "recomputes a fresh prompt of the same length.",
-        "- 3: tier read = payload bytes of one staging read / its wall time (from submission to "
-        "the last chunk verified in its host slot: the storage worker's I/O threads, one "
-        "task per thread taking groups of contiguous chunks, one `get()` call per group, read in "
-        "that thread). Raw = the same chunks read plainly into memory of "
-        "their own: disk slots with `preadv` (O_DIRECT as the tier), fs files with "
-        "open/read/close, redis values with pipelined GETs written to a plain socket, each "
-        "value received straight into its buffer (redis-py's own pipeline is recorded too, "
-        "`raw_redis_py_GB_s`: its parser copies each value several times), with the tier's "
-        "concurrency and with one thread, each right before and right after the tier's read; "
-        "the ratio is against the fastest of the four.",
+        "- 3: one engine, one prompt's chunks in every tier. Tier read = payload bytes / wall "
+        "time of the storage worker's read of all of them (a staging read, from submission to "
+        "the last chunk verified: the I/O threads, one task per thread taking groups of "
+        "contiguous chunks, one `get()` call per group) into page-aligned memory of their "
+        "own. Raw = the same chunks read plainly: disk slots with `preadv` (O_DIRECT as the "
+        "tier), fs files with open/read/close, redis values with pipelined GETs (as deep as "
+        "the tier's groups) written to a plain socket, each value received straight into its "
+        "buffer (redis-py's own pipeline is recorded too, `raw_redis_py`), with the tier's "
+        "concurrency and with one thread. Rounds of the three reads, interleaved, the order "
+        "rotating; the ratio is the median over rounds of the tier against the faster raw "
+        "read of its round (`fs-cold`: the page cache dropped before every read).",
         "- 4: one engine, its storage worker detached between runs for the baseline; "
         "interleaved pairs with alternating order. The heavy stream comes from a feeder thread "
         "submitting unique chunks to the engine's storage worker at a fixed rate (what a much "
@@ -1290,11 +1369,13 @@ def report(res: dict, name: str) -> str:
         "GIL waits and to torch's OpenMP threads stalled by a preempted peer; on a machine "
         "whose cores the engine keeps busy, each CPU second of tier work is one the forward "
         "does not get. Writer variants (each against the same detached runs, all interleaved, "
-        "order rotating): `idle` = the writer threads under `SCHED_IDLE` (the engine's "
-        "default), `nice` = nice 19 (the previous default), `normal` = as the engine's "
-        "threads, `gap` = writes paused while a step's forward runs (the bench signals it; "
-        "`StorageWorker.pause_writes`/`resume_writes`), `srvidle` = the local Valkey server "
-        "under `SCHED_IDLE` too. Each chunk is hashed once for all tiers.",
+        "order rotating): `proc` = writes in the engine's writer process (the default: the "
+        "host tier in shared memory, keys and offsets sent over a socket, the process hashes "
+        "and writes), `thread` = writer threads in the engine's own process (the previous "
+        "design: a second storage worker on the same tiers), `idle` / `nice` / `normal` = the "
+        "writers under `SCHED_IDLE` (the default), nice 19, or as the engine's threads, `gap` "
+        "= writes paused while a step's forward runs (`kv_tier_write_pause`), `srvidle` = the "
+        "local Valkey server under `SCHED_IDLE` too. Each chunk is hashed once for all tiers.",
     ]
     return "\n".join(lines) + "\n"
 

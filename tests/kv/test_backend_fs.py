@@ -161,6 +161,9 @@ def test_sweep_deletes_least_recently_used_down_to_90_percent(make, tmp_path: Pa
     for k, p in zip(keys, payloads, strict=True):
         assert b.put([k], [p]) == [True]
     assert b.sweep() == 0  # at the limit, not over it
+    for i, k in enumerate(keys):  # written a while ago (a hit on a file touched seconds ago
+        past = time.time() - 60 + i  # leaves its mtime: fs.TOUCH_AFTER_S)
+        os.utime(b.path_of(k), (past, past))
     assert b.get(keys[:2], outs_for(2)) == [True, True]  # hits make 0 and 1 recent
     more, more_payloads = chunks(2, seed=1)
     assert b.put(more, more_payloads) == [True, True]
@@ -170,6 +173,22 @@ def test_sweep_deletes_least_recently_used_down_to_90_percent(make, tmp_path: Pa
     assert [b.exists([k]) for k in keys[2:]] == [0, 0, 0] + [1] * 5
     assert b.usage() == (9 * STORED, 10 * STORED)
     assert b.stats.evicted == 3
+
+
+def test_a_hit_touches_only_a_file_untouched_for_a_while(make) -> None:
+    """A hit sets the mtime (the retention order) unless the file was touched within
+    ``TOUCH_AFTER_S``: no metadata write per hit on a hot chunk."""
+    b = make()
+    keys, payloads = chunks(1)
+    assert b.put(keys, payloads) == [True]
+    path = b.path_of(keys[0])
+    written = os.stat(path).st_mtime_ns
+    assert b.get(keys, outs_for(1)) == [True]
+    assert os.stat(path).st_mtime_ns == written
+    past = time.time() - 60
+    os.utime(path, (past, past))
+    assert b.get(keys, outs_for(1)) == [True]
+    assert os.stat(path).st_mtime_ns > time.time_ns() - 30 * 10**9
 
 
 def test_sweep_removes_temporary_files_of_dead_writers(make, tmp_path: Path) -> None:

@@ -21,7 +21,9 @@ versions; the header and full-content hash are checked on every read, and a file
 (truncated, bit-flipped, another format) is removed and counted.
 
 Retention is LRU-ish across instances: a write and a hit set the file's mtime (to the
-nanosecond), and a sweep (every ``sweep_interval``, and early once this instance wrote
+nanosecond; a hit on a file touched less than ``TOUCH_AFTER_S`` ago leaves it: recency to
+within seconds is enough for retention, and a hit then costs no metadata write, an RPC on
+NFS), and a sweep (every ``sweep_interval``, and early once this instance wrote
 ``sweep_after`` bytes since the last one) deletes the least recently used files until the
 namespace holds 90% of ``size``, plus temporary files left for more than a minute by a writer
 that died. Instances may sweep at once: a file another one already deleted is skipped.
@@ -55,6 +57,7 @@ TMP_PREFIX = ".tmp-"
 TMP_MAX_AGE_S = 60.0  # a temporary file older than this belongs to a writer that died
 SWEEP_LOW_WATER = 0.9  # a sweep deletes down to this fraction of size
 SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that trigger a sweep early
+TOUCH_AFTER_S = 10.0  # a hit sets the mtime of a file untouched for longer than this
 
 _MISS, _HIT, _CORRUPT = 0, 1, 2
 
@@ -189,7 +192,8 @@ class FsBackend(StorageBackend):
         except OSError as e:
             return e
         try:
-            if os.fstat(fd).st_size != self.stored_bytes:
+            st = os.fstat(fd)
+            if st.st_size != self.stored_bytes:
                 return _CORRUPT
             header = bytearray(HEADER_BYTES)
             if not preadv_all(fd, [header, out], 0):
@@ -197,7 +201,8 @@ class FsBackend(StorageBackend):
             digest = self.codec.check_header(key, header)
             if digest is None or payload_digest(out) != digest:
                 return _CORRUPT
-            _touch(fd)  # recently used: every instance's sweeper keeps it longer
+            if time.time_ns() - st.st_mtime_ns > TOUCH_AFTER_S * 1e9:
+                _touch(fd)  # recently used: every instance's sweeper keeps it longer
             return _HIT
         except OSError as e:
             return e
