@@ -426,3 +426,59 @@ def test_layout_change_clears_and_unknown_kinds_are_skipped() -> None:
     idx.apply_events("a", [mamba, no_window, bad_group, removed([4], group_idx=99)])
     assert idx.stats.skipped_events == skipped + 4
     assert idx.endpoint_layout("a") == {0: 0, 1: 0}
+
+
+def _rule(held: dict, layout: dict[int, int], n: int, w: dict[str, float]) -> tuple[int, float]:
+    """The hybrid rule, by brute force: the largest L whose full groups hold [0, L) and whose
+    sliding groups hold their window before L; each block weighs its worst needed group's best
+    medium. ``held[g][i]``: media on which group g holds block i."""
+    for hit in range(n, 0, -1):
+        need = {
+            g: range(0, hit) if not win else range(max(0, hit - window_blocks(win, BS)), hit)
+            for g, win in layout.items()
+        }
+        if all(held[g][i] for g, r in need.items() for i in r):
+            weight = sum(
+                # A block no group needs (before every window) is not loaded: free.
+                min((max(w[m] for m in held[g][i]) for g, r in need.items() if i in r), default=1)
+                for i in range(hit)
+            )
+            return hit, weight
+    return 0, 0.0
+
+
+@pytest.mark.parametrize("shared_tier", [False, True])
+def test_random_group_states_match_the_rule_by_brute_force(shared_tier: bool) -> None:
+    """Groups in any order (sliding first), several full and sliding groups, blocks on GPU
+    and CPU or in a shared tier: the index's hit and weight equal the rule's."""
+    import random
+
+    weights = {"GPU": 1.0, "CPU": DEFAULT_TIER_WEIGHTS["CPU"], "FS": DEFAULT_TIER_WEIGHTS["FS"]}
+    layouts = [{0: WINDOW}, {0: 48, 1: 0}, {0: WINDOW, 1: 0, 2: 0, 3: 64}, {0: 0, 1: 20}]
+    rng = random.Random(15)
+    n = 8
+    keys = prompt_block_keys(PROMPT, BS)
+    h = hashes(100)
+    tier = {"tier": TIER, "shared": True}
+    for case in range(160):
+        layout = layouts[case % len(layouts)]
+        idx = KVIndex()
+        media = ["GPU", "CPU", "FS"] if shared_tier else ["GPU", "CPU"]
+        # Each (group, block) on a random subset of media, mostly present.
+        held = {g: [{m for m in media if rng.random() < 0.75} for _ in range(n)] for g in layout}
+        if shared_tier:  # the tier is written by another member, "b"
+            idx.apply_events(
+                "a",
+                [group_blocks([9] * BS, [77], window=layout[0] or None, medium="STORAGE", **tier)],
+            )
+        for g, win in layout.items():
+            for m in media:
+                src, kw = ("b", tier) if m == "FS" else ("a", {})
+                medium = "STORAGE" if m == "FS" else m
+                ev = group_blocks(PROMPT, h, group_idx=g, window=win or None, medium=medium, **kw)
+                gone = [h[i] for i in range(n) if m not in held[g][i]]
+                idx.apply_events(src, [ev, removed(gone, g, medium=medium, **kw)])
+        want = _rule(held, layout, n, weights)
+        got = idx.match("a", keys)
+        assert got[0] == want[0] and got[1] == pytest.approx(want[1]), (layout, held)
+        assert idx.match_endpoints(["a"], lambda bs: keys)["a"][:2] == got

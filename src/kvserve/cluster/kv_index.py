@@ -143,7 +143,16 @@ class _Entry(msgspec.Struct, gc=False):
 
 
 class _EndpointBlocks:
-    __slots__ = ("bit", "block_size", "by_engine", "by_key", "ghosts", "layout", "grouped")
+    __slots__ = (
+        "bit",
+        "block_size",
+        "by_engine",
+        "by_key",
+        "ghosts",
+        "layout",
+        "grouped",
+        "full_shifts",
+    )
 
     def __init__(self, bit: int) -> None:
         self.bit = bit  # this endpoint's bit in the holder masks
@@ -151,10 +160,32 @@ class _EndpointBlocks:
         # KV groups seen in events: group id -> sliding window in tokens (0: full attention).
         self.layout: dict[int, int] = {}
         self.grouped = False  # anything but group 0 with full attention: matched per group
+        self.full_shifts: tuple[int, ...] = (0,)  # mask shifts of the full-attention groups
         self.by_engine: dict[int, _Entry] = {}
         self.by_key: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         # Engine hash -> key bytes of blocks no longer held, to resolve late parents.
         self.ghosts: OrderedDict[int, bytes] = OrderedDict()
+
+    def full_held(self, mask: int) -> bool:
+        """Is the entry in the holder map: every full-attention group holds it (any group,
+        for a model with sliding windows only)."""
+        if not self.grouped or not self.full_shifts:
+            return mask != 0
+        return all((mask >> s) & _MEDIA for s in self.full_shifts)
+
+    def full_lower(self, mask: int) -> bool:
+        """Held (:meth:`full_held`) but some full-attention group holds it below GPU only."""
+        if not self.grouped:
+            return mask != 0 and not mask & 1
+        if not self.full_held(mask):
+            return False
+        return any(not (mask >> s) & 1 for s in self.full_shifts)
+
+    def full_cost(self, mask: int, w: list[float]) -> float:
+        """1 - the weight of a block for the full-attention groups: their worst tier."""
+        if not self.grouped:
+            return 1.0 - w[mask & _MEDIA]
+        return max((1.0 - w[(mask >> s) & _MEDIA] for s in self.full_shifts), default=0.0)
 
 
 @dataclass
@@ -262,9 +293,10 @@ class KVIndex:
             ep = self._endpoints.get(endpoint)
             if ep is None or not ep.by_key:
                 return 0, 0.0
-            if ep.grouped:
+            if ep.grouped and self._exact_only(ep):
                 return self._grouped_match(ep, keys)
-            return self._runs(keys, ep.bit)[ep.bit]
+            n, w = self._runs(keys, ep.bit)[ep.bit]
+            return self._windows(ep, keys, n, w) if ep.grouped else (n, w)
 
     def match_endpoints(
         self, endpoints: Iterable[str], keys_for: Callable[[int], Sequence[int]]
@@ -281,22 +313,25 @@ class KVIndex:
         keys_by_size = {bs: keys_for(bs) for bs in sizes if bs}
         with self._lock:
             groups: dict[int, int] = {}
-            names: dict[int, str] = {}
+            names: dict[int, tuple[str, _EndpointBlocks]] = {}
             for name in endpoints:
                 ep = self._endpoints.get(name)
                 if ep is None or ep.block_size not in keys_by_size or not ep.by_key:
                     out[name] = (0, 0.0, 0)
                     continue
-                if ep.grouped:
+                if ep.grouped and self._exact_only(ep):
                     keys = keys_by_size[ep.block_size]
                     out[name] = (*self._grouped_match(ep, keys), len(keys))
                     continue
                 groups[ep.block_size] = groups.get(ep.block_size, 0) | ep.bit
-                names[ep.bit] = name
+                names[ep.bit] = (name, ep)
             for bs, alive in groups.items():
                 keys = keys_by_size[bs]
                 for bit, (n, w) in self._runs(keys, alive).items():
-                    out[names[bit]] = (n, w, len(keys))
+                    name, ep = names[bit]
+                    if ep.grouped:  # the run is the full-attention groups': fit the windows
+                        n, w = self._windows(ep, keys, n, w)
+                    out[name] = (n, w, len(keys))
         return out
 
     def _runs(self, keys: Sequence[int], alive: int) -> dict[int, tuple[int, float]]:
@@ -329,25 +364,24 @@ class KVIndex:
                 if low:  # held below GPU only: a hit worth its tier's weight
                     w = self.mask_weights
                     for b in _bits(low):
-                        mask = self._by_bit[b].by_key[k].mask & _MEDIA
-                        penalty[b] = penalty.get(b, 0.0) + 1.0 - w[mask]
+                        holder = self._by_bit[b]
+                        penalty[b] = penalty.get(b, 0.0) + holder.full_cost(
+                            holder.by_key[k].mask, w
+                        )
         else:
             for b in _bits(alive):
                 runs[b] = i + 1
         return {b: (n, n - penalty.get(b, 0.0)) for b, n in runs.items()}
 
-    def _grouped_match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
-        """The hybrid rule for one endpoint with KV groups: (hit blocks, tier-weighted).
+    def _exact_only(self, ep: _EndpointBlocks) -> bool:
+        """Matched block by block, not in the one pass: a model with sliding windows only
+        (nothing bounds its hit from block 0), or a member of a shared tier (a block may be
+        held partly by the endpoint, partly by the tier)."""
+        return not ep.full_shifts or any(m & ep.bit for m in self._tier_members.values())
 
-        The full-attention groups bound the hit (a run from block 0); below that bound the
-        hit point L walks down until every sliding group holds the ``window_blocks`` blocks
-        before L. A block missing at j in a window rules out every L in (j, j + need], so L
-        jumps to j: one dict probe per block at most.
-        """
-        bs = ep.block_size or 1
-        w = self.mask_weights
-        full = [GROUP_SHIFT * g for g, win in ep.layout.items() if not win]
-        sliding = [(GROUP_SHIFT * g, window_blocks(win, bs)) for g, win in ep.layout.items() if win]
+    def _mask_reader(self, ep: _EndpointBlocks, keys: Sequence[int]) -> Callable[[int], int]:
+        """Memoized mask of block ``i`` of ``keys`` for ``ep``, its shared tiers' copies
+        included (masks OR: the best medium of each group)."""
         tiers = [
             self._by_bit[tb].by_key
             for tb, members in self._tier_members.items()
@@ -361,30 +395,23 @@ class KVIndex:
             if m is None:
                 e = get(keys[i])
                 m = e.mask if e is not None else 0
-                for t in tiers:  # a shared tier's copy counts for every member
+                for t in tiers:
                     te = t.get(keys[i])
                     if te is not None:
                         m |= te.mask
                 masks[i] = m
             return m
 
-        top = len(keys)
-        costs: list[float] = []  # per block: its worst tier among the full-attention groups
-        if full:
-            for i in range(len(keys)):
-                m = mask_at(i)
-                cost = 0.0
-                for s in full:
-                    g = (m >> s) & _MEDIA
-                    if not g:
-                        break
-                    if 1.0 - w[g] > cost:
-                        cost = 1.0 - w[g]
-                else:
-                    costs.append(cost)
-                    continue
-                top = i
-                break
+        return mask_at
+
+    def _sliding_hit(
+        self, ep: _EndpointBlocks, top: int, mask_at: Callable[[int], int]
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """The largest hit L <= ``top`` whose sliding windows are all held, and the sliding
+        groups as (mask shift, blocks needed). A block missing at j in a window rules out
+        every L in (j, j + need], so L jumps to j: one probe per block at most."""
+        bs = ep.block_size or 1
+        sliding = [(GROUP_SHIFT * g, window_blocks(win, bs)) for g, win in ep.layout.items() if win]
         hit = top
         while hit > 0 and sliding:
             bound = hit
@@ -396,22 +423,73 @@ class KVIndex:
             if bound == hit:
                 break
             hit = bound
-        if not hit:
-            return 0, 0.0
-        # Weight: each block costs its worst tier among the groups that need it.
-        cost = sum(costs[:hit]) if full else 0.0
+        return hit, sliding
+
+    def _window_cost(
+        self,
+        hit: int,
+        sliding: list[tuple[int, int]],
+        mask_at: Callable[[int], int],
+        full_cost: Callable[[int], float],
+    ) -> float:
+        """Extra tier cost of the window blocks before ``hit``: a block costs the worst tier
+        among the groups that need it (``full_cost`` is what the full groups already cost)."""
+        w = self.mask_weights
+        extra = 0.0
         span = max((need for _, need in sliding), default=0)
         for i in range(max(0, hit - span), hit):
             m = mask_at(i)
-            base = costs[i] if full else 0.0
+            base = full_cost(m)
             worst = base
             for s, need in sliding:
                 if i >= hit - need:
                     c = 1.0 - w[(m >> s) & _MEDIA]
                     if c > worst:
                         worst = c
-            cost += worst - base
-        return hit, hit - cost
+            extra += worst - base
+        return extra
+
+    def _windows(
+        self, ep: _EndpointBlocks, keys: Sequence[int], top: int, weighted: float
+    ) -> tuple[int, float]:
+        """Fit the sliding windows below the full-attention groups' run ``top`` (weighted:
+        ``weighted``) found by the one pass."""
+        if not top:
+            return 0, 0.0
+        mask_at = self._mask_reader(ep, keys)
+        hit, sliding = self._sliding_hit(ep, top, mask_at)
+        if not hit:
+            return 0, 0.0
+        w = self.mask_weights
+        cost = top - weighted
+        if cost > 0.0 and hit < top:  # the blocks cut off took their tier cost with them
+            for i in range(hit, top):
+                cost -= ep.full_cost(mask_at(i), w)
+        cost += self._window_cost(hit, sliding, mask_at, lambda m: ep.full_cost(m, w))
+        return hit, hit - max(cost, 0.0)
+
+    def _grouped_match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
+        """The hybrid rule for one endpoint, block by block: the full-attention groups bound
+        the hit (a run from block 0), then the sliding windows are fitted below it."""
+        w = self.mask_weights
+        mask_at = self._mask_reader(ep, keys)
+        top = len(keys)
+        cost = 0.0  # tier cost of blocks [0, top) for the full-attention groups
+        if ep.full_shifts:
+            for i in range(len(keys)):
+                m = mask_at(i)
+                if not ep.full_held(m):
+                    top = i
+                    break
+                cost += ep.full_cost(m, w)
+        hit, sliding = self._sliding_hit(ep, top, mask_at)
+        if not hit:
+            return 0, 0.0
+        if ep.full_shifts:
+            for i in range(hit, top):
+                cost -= ep.full_cost(mask_at(i), w)
+        cost += self._window_cost(hit, sliding, mask_at, lambda m: ep.full_cost(m, w))
+        return hit, hit - max(cost, 0.0)
 
     # ------------------------------------------------------------------ updates
 
@@ -489,20 +567,21 @@ class KVIndex:
         ep = self._endpoints[endpoint] = self._by_bit[bit] = _EndpointBlocks(bit)
         return ep
 
+    def _unindex(self, ep: _EndpointBlocks) -> None:
+        """Take ``ep``'s bit out of the holder and lower-tier maps (its entries stay)."""
+        bit, keep = ep.bit, ~ep.bit
+        for table in (self._holders, self._lower):
+            for key in ep.by_key:
+                m = table.get(key, 0)
+                if m & bit:
+                    m &= keep
+                    if m:
+                        table[key] = m
+                    else:
+                        del table[key]
+
     def _clear(self, ep: _EndpointBlocks) -> None:
-        holders, lower, keep = self._holders, self._lower, ~ep.bit
-        for key in ep.by_key:
-            m = holders[key] & keep
-            if m:
-                holders[key] = m
-            else:
-                del holders[key]
-            if key in lower:
-                m = lower[key] & keep
-                if m:
-                    lower[key] = m
-                else:
-                    del lower[key]
+        self._unindex(ep)
         self.stats.blocks -= len(ep.by_key)
         ep.by_engine.clear()
         ep.by_key.clear()
@@ -564,6 +643,8 @@ class KVIndex:
         holders, epbit = self._holders, ep.bit
         frm = int.from_bytes
         keys = [frm(kb[-8:], "big") for kb in key_bytes]
+        # What a new entry holding only this event's copy is: indexed, below GPU only.
+        held, low = ep.full_held(bit), ep.full_lower(bit)
         if (
             by_engine.keys().isdisjoint(hashes)
             and by_key.keys().isdisjoint(keys)
@@ -573,12 +654,14 @@ class KVIndex:
             entries = list(map(_Entry, hashes, keys, key_bytes, repeat(bit)))
             by_engine.update(zip(hashes, entries, strict=True))
             by_key.update(zip(keys, entries, strict=True))
-            if holders.keys().isdisjoint(keys):
+            if not held:  # a group that alone does not make a hit (sliding, one of several)
+                pass
+            elif holders.keys().isdisjoint(keys):
                 holders.update(dict.fromkeys(keys, epbit))
             else:
                 for key in keys:
                     holders[key] = holders.get(key, 0) | epbit
-            if bit != 1:
+            if low:
                 lower = self._lower
                 for key in keys:
                     lower[key] = lower.get(key, 0) | epbit
@@ -605,8 +688,9 @@ class KVIndex:
             e = _Entry(h, key, parent, bit)
             by_engine[h] = e
             by_key[key] = e
-            holders[key] = holders.get(key, 0) | epbit
-            if bit != 1:
+            if held:
+                holders[key] = holders.get(key, 0) | epbit
+            if low:
                 self._lower[key] = self._lower.get(key, 0) | epbit
             added += 1
         self.stats.blocks += added
@@ -626,8 +710,16 @@ class KVIndex:
             )
             self._clear(ep)
             self.stats.layout_changes += 1
+        # What makes an entry "held" may change (a new full-attention group): reindex.
+        self._unindex(ep)
         ep.layout[group] = window
         ep.grouped = ep.layout != {0: 0}
+        ep.full_shifts = tuple(GROUP_SHIFT * g for g, win in sorted(ep.layout.items()) if not win)
+        for key, e in ep.by_key.items():
+            if ep.full_held(e.mask):
+                self._holders[key] = self._holders.get(key, 0) | ep.bit
+            if ep.full_lower(e.mask):
+                self._lower[key] = self._lower.get(key, 0) | ep.bit
 
     @staticmethod
     def _resolve(ep: _EndpointBlocks, engine_hash: int) -> bytes | None:
@@ -642,17 +734,25 @@ class KVIndex:
             self.stats.evicted_blocks += 1
 
     def _add_copy(self, ep: _EndpointBlocks, e: _Entry, bit: int) -> None:
-        was_lower = not e.mask & 1
+        old = e.mask
         e.add(bit)
-        if was_lower and e.mask & 1:
-            self._unset_lower(e.key, ep.bit)
+        if e.mask != old:
+            self._sync(ep, e.key, old, e.mask)
 
-    def _unset_lower(self, key: int, epbit: int) -> None:
-        m = self._lower.get(key, 0) & ~epbit
-        if m:
-            self._lower[key] = m
-        else:
-            self._lower.pop(key, None)
+    def _sync(self, ep: _EndpointBlocks, key: int, old: int, new: int) -> None:
+        """Keep the holder and lower-tier maps in step with a change of an entry's mask."""
+        for table, was, now in (
+            (self._holders, ep.full_held(old), ep.full_held(new)),
+            (self._lower, ep.full_lower(old), ep.full_lower(new)),
+        ):
+            if now and not was:
+                table[key] = table.get(key, 0) | ep.bit
+            elif was and not now:
+                m = table.get(key, 0) & ~ep.bit
+                if m:
+                    table[key] = m
+                else:
+                    table.pop(key, None)
 
     def _remove(self, ep: _EndpointBlocks, ev: BlockRemoved) -> int:
         if not 0 <= ev.group_idx < MAX_GROUPS:
@@ -669,15 +769,15 @@ class KVIndex:
                 del by_engine[h]
                 self.stats.unknown_removals += 1
                 continue
-            had_gpu = e.mask & 1
+            old = e.mask
             if not e.remove(bit):
                 self.stats.unknown_removals += 1
                 continue
             if e.mask == 0:
                 self._drop(ep, e)
                 by_engine.pop(h, None)
-            elif had_gpu and not e.mask & 1:  # now only on lower tiers
-                self._lower[e.key] = self._lower.get(e.key, 0) | ep.bit
+            elif e.mask != old:  # e.g. now only on lower tiers, or out of a group
+                self._sync(ep, e.key, old, e.mask)
         self.stats.removed_blocks += len(ev.block_hashes)
         return len(ev.block_hashes)
 
@@ -685,13 +785,14 @@ class KVIndex:
         del ep.by_key[e.key]
         if ep.by_engine.get(e.engine_hash) is e:
             del ep.by_engine[e.engine_hash]
-        m = self._holders[e.key] & ~ep.bit
-        if m:
-            self._holders[e.key] = m
-        else:
-            del self._holders[e.key]
-        if e.key in self._lower:
-            self._unset_lower(e.key, ep.bit)
+        for table in (self._holders, self._lower):
+            m = table.get(e.key, 0)
+            if m & ep.bit:
+                m &= ~ep.bit
+                if m:
+                    table[e.key] = m
+                else:
+                    del table[e.key]
         ep.ghosts[e.engine_hash] = e.key_bytes
         if len(ep.ghosts) > self.max_ghosts_per_endpoint:
             ep.ghosts.popitem(last=False)
