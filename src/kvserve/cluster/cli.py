@@ -130,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gRPC service (and gRPC health) on --epp-port",
     )
     parser.add_argument("--epp-port", type=int, help="the EPP's gRPC port (default 9002)")
+    parser.add_argument(
+        "--epp-transport",
+        choices=["loop", "grpcio"],
+        help="the EPP's gRPC server: loop (kvserve's HTTP/2 in the event loop, the default) "
+        "or grpcio (grpc.aio)",
+    )
     parser.add_argument("--tokenizer", help="model directory whose tokenizer the router uses")
     parser.add_argument("--block-size", type=int, help="block size of the routing history")
     parser.add_argument("--prefix-hash-seed", help="seed of the router's block keys")
@@ -208,6 +214,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         if value:  # replace(): the index config checks the key file
             cfg.index = dataclasses.replace(cfg.index, **{flag: value})
     cfg.endpoints = cfg.endpoints + [parse_endpoint_flag(e) for e in args.endpoint]
+    if getattr(args, "epp_transport", None):
+        cfg.epp_transport = args.epp_transport
     if getattr(args, "epp_port", None) is not None:
         cfg.epp_port = args.epp_port
     elif getattr(args, "epp", False) and cfg.epp_port is None:

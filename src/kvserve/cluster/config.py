@@ -252,6 +252,8 @@ class RouterConfig:
     # Also serve as a Gateway API Inference Extension Endpoint Picker (Envoy ext_proc gRPC)
     # on this port (``kvserve route --epp``; None: not an EPP).
     epp_port: int | None = None
+    # The EPP's gRPC transport: loop (kvserve's HTTP/2 server in the event loop) | grpcio
+    epp_transport: str = "loop"
     endpoints: list[EndpointSpec] = field(default_factory=list)
     endpoints_file: str | None = None  # YAML/JSON list of endpoints, re-read when it changes
     endpoints_file_poll_s: float = 1.0
@@ -308,6 +310,8 @@ class RouterConfig:
             raise ConfigError("max_attempts must be >= 1")
         if self.epp_port is not None and not 0 <= self.epp_port <= 65535:
             raise ConfigError("epp_port must be a port number")
+        if self.epp_transport not in ("loop", "grpcio"):
+            raise ConfigError("epp_transport must be loop or grpcio")
         for name in (
             "max_body_bytes",
             "max_connections_per_endpoint",

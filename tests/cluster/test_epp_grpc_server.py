@@ -1,0 +1,175 @@
+"""The EPP's in-loop gRPC server and its HPACK, against a real gRPC client (grpcio) over
+loopback sockets: RFC 7541's examples, unary and streaming calls, flow control both ways
+(a 1 MB message each way through grpcio's 64 KiB windows), errors, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.cluster.epp import hpack
+from kvserve.cluster.epp.grpc_server import (
+    INVALID_ARGUMENT,
+    Call,
+    GrpcError,
+    GrpcServer,
+    Method,
+)
+from kvserve.cluster.epp.health import HealthService
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# A bidirectional method for the tests, reusing a protobuf message that carries bytes
+# (HealthCheckRequest.service is a string: echo text, including 1 MB of it).
+ECHO = "/test.Echo/Chat"
+
+
+def test_hpack_rfc7541_examples():
+    # C.1: integers
+    assert hpack.encode_int(10, 5) == bytes([10])
+    assert hpack.encode_int(1337, 5) == bytes([31, 154, 10])
+    assert hpack.encode_int(42, 8) == bytes([42])
+    # C.4: requests with Huffman coding, one connection (the dynamic table carries over)
+    d = hpack.Decoder()
+    blocks = [
+        "828684418cf1e3c2e5f23a6ba0ab90f4ff",
+        "828684be5886a8eb10649cbf",
+        "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf",
+    ]
+    got = [d.decode(bytes.fromhex(b)) for b in blocks]
+    assert got[0] == [
+        (b":method", b"GET"),
+        (b":scheme", b"http"),
+        (b":path", b"/"),
+        (b":authority", b"www.example.com"),
+    ]
+    assert got[1][-1] == (b"cache-control", b"no-cache")
+    assert got[2][-1] == (b"custom-key", b"custom-value")
+    assert got[2][1] == (b":scheme", b"https") and got[2][2] == (b":path", b"/index.html")
+    assert d.size == 164  # the table after C.4.3
+    assert hpack.huffman_encode(b"www.example.com").hex() == "f1e3c2e5f23a6ba0ab90f4ff"
+
+
+def test_huffman_every_octet_and_bad_input():
+    rng = random.Random(0)
+    for n in [0, 1, 7, 64, 256, 1000]:
+        data = bytes(rng.randrange(256) for _ in range(n))
+        assert hpack.huffman_decode(hpack.huffman_encode(data)) == data
+    everything = bytes(range(256))
+    assert hpack.huffman_decode(hpack.huffman_encode(everything)) == everything
+    with pytest.raises(hpack.HpackError):
+        hpack.huffman_decode(b"\xff\xff\xff\xff")  # EOS inside the string
+    with pytest.raises(hpack.HpackError):
+        hpack.huffman_decode(hpack.huffman_encode(b"a")[:0] + b"\x00")  # padding not all ones
+    with pytest.raises(hpack.HpackError):
+        hpack.Decoder().decode(b"\xbe")  # an index past both tables
+
+
+async def _chat(call: Call) -> None:
+    """Echo each message; "boom" fails the handler, "bad" ends the call with a status."""
+    while (msg := await call.read()) is not None:
+        if msg.service == "boom":
+            raise RuntimeError("boom")
+        if msg.service == "bad":
+            raise GrpcError(INVALID_ARGUMENT, "bad request, 100% of it")
+        call.write(health_pb2.HealthCheckRequest(service=msg.service))
+
+
+def _serve(health: HealthService) -> GrpcServer:
+    methods = {ECHO: Method(health_pb2.HealthCheckRequest, _chat), **health.methods()}
+    return GrpcServer(methods, max_message_bytes=4 << 20)
+
+
+def test_grpcio_client_health_echo_flow_control_errors_and_cancel():
+    async def run() -> None:
+        health = HealthService()
+        health.set("", SERVING)
+        server = _serve(health)
+        port = await server.start("127.0.0.1", 0)
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}",
+            options=[("grpc.max_receive_message_length", 8 << 20)],
+        ) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert r.status == SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # Watch: the status now, then each change
+            health.set("readiness", NOT_SERVING)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+            assert (await watch.read()).status == NOT_SERVING
+            health.set("readiness", SERVING)
+            assert (await asyncio.wait_for(watch.read(), 10)).status == SERVING
+            watch.cancel()
+
+            chat = ch.stream_stream(
+                ECHO,
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckRequest.FromString,
+            )
+            big = "".join(chr(97 + i % 26) for i in range(1 << 20))  # 1 MB each way
+            call = chat()
+            for text in ["a", big, "b" * 70_000]:
+                await call.write(health_pb2.HealthCheckRequest(service=text))
+                assert (await asyncio.wait_for(call.read(), 30)).service == text
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+
+            for text, code in [("boom", grpc.StatusCode.INTERNAL), ("bad", None)]:
+                call = chat()
+                await call.write(health_pb2.HealthCheckRequest(service=text))
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call.read()
+                got = await call.code()
+                if code is None:
+                    assert got == grpc.StatusCode.INVALID_ARGUMENT
+                    assert await call.details() == "bad request, 100% of it"
+                else:
+                    assert got == code and "boom" in await call.details()
+
+            unknown = ch.unary_unary("/test.Nothing/Here")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await unknown(b"", timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+            # A client that goes away mid-call: the handler's read() ends, nothing stays open
+            call = chat()
+            await call.write(health_pb2.HealthCheckRequest(service="x"))
+            await call.read()
+            call.cancel()
+            for _ in range(500):
+                if server.calls == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.calls == 0
+        await server.stop()
+
+    asyncio.run(run())
+
+
+def test_stop_ends_open_calls_and_refuses_new_ones():
+    async def run() -> None:
+        server = _serve(HealthService())
+        port = await server.start("127.0.0.1", 0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            chat = ch.stream_stream(
+                ECHO,
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckRequest.FromString,
+            )
+            call = chat()
+            await call.write(health_pb2.HealthCheckRequest(service="x"))
+            await call.read()
+            await asyncio.wait_for(server.stop(grace_s=0.2), 10)
+            assert server.calls == 0
+            assert await asyncio.wait_for(call.code(), 10) != grpc.StatusCode.OK
+
+    asyncio.run(run())
