@@ -447,26 +447,42 @@ def _rule(held: dict, layout: dict[int, int], n: int, w: dict[str, float]) -> tu
     return 0, 0.0
 
 
-@pytest.mark.parametrize("shared_tier", [False, True])
-def test_random_group_states_match_the_rule_by_brute_force(shared_tier: bool) -> None:
+@pytest.mark.parametrize(
+    ("shared_tier", "n", "cases", "p_full", "p_sliding"),
+    [(False, 8, 160, 0.75, 0.75), (True, 8, 160, 0.75, 0.75), (False, 120, 40, 0.97, 0.45),
+     (True, 120, 40, 0.97, 0.45)],
+)  # fmt: skip
+def test_random_group_states_match_the_rule_by_brute_force(
+    shared_tier: bool, n: int, cases: int, p_full: float, p_sliding: float
+) -> None:
     """Groups in any order (sliding first), several full and sliding groups, blocks on GPU
-    and CPU or in a shared tier: the index's hit and weight equal the rule's."""
+    and CPU or in a shared tier: the index's hit and weight equal the rule's. Long prompts
+    with sparse sliding groups make the hit walk down far (the jumps to held blocks)."""
     import random
 
     weights = {"GPU": 1.0, "CPU": DEFAULT_TIER_WEIGHTS["CPU"], "FS": DEFAULT_TIER_WEIGHTS["FS"]}
     layouts = [{0: WINDOW}, {0: 48, 1: 0}, {0: WINDOW, 1: 0, 2: 0, 3: 64}, {0: 0, 1: 20}]
-    rng = random.Random(15)
-    n = 8
-    keys = prompt_block_keys(PROMPT, BS)
-    h = hashes(100)
+    rng = random.Random(15 + n)
+    tokens = [rng.randrange(1000) for _ in range(n * BS)] + [5]
+    keys = prompt_block_keys(tokens, BS)
+    h = hashes(100, n)
     tier = {"tier": TIER, "shared": True}
-    for case in range(160):
+    for case in range(cases):
         layout = layouts[case % len(layouts)]
         idx = KVIndex()
         media = ["GPU", "CPU", "FS"] if shared_tier else ["GPU", "CPU"]
-        # Each (group, block) on a random subset of media, mostly present.
-        held = {g: [{m for m in media if rng.random() < 0.75} for _ in range(n)] for g in layout}
-        if shared_tier:  # the tier is written by another member, "b"
+        # Each (group, block) on a random subset of media.
+        held = {
+            g: [{m for m in media if rng.random() < (p_sliding if win else p_full)}
+                for _ in range(n)]
+            for g, win in layout.items()
+        }  # fmt: skip
+        for g, win in layout.items():  # a sliding group that lost a long stretch
+            if win and n > 64 and rng.random() < 0.5:
+                start = rng.randrange(n // 2)
+                for i in range(start, min(n, start + rng.randrange(40, 100))):
+                    held[g][i] = set()
+        if shared_tier:  # "a" uses the tier; "b" writes the prompt's blocks there
             idx.apply_events(
                 "a",
                 [group_blocks([9] * BS, [77], window=layout[0] or None, medium="STORAGE", **tier)],
@@ -475,7 +491,7 @@ def test_random_group_states_match_the_rule_by_brute_force(shared_tier: bool) ->
             for m in media:
                 src, kw = ("b", tier) if m == "FS" else ("a", {})
                 medium = "STORAGE" if m == "FS" else m
-                ev = group_blocks(PROMPT, h, group_idx=g, window=win or None, medium=medium, **kw)
+                ev = group_blocks(tokens, h, group_idx=g, window=win or None, medium=medium, **kw)
                 gone = [h[i] for i in range(n) if m not in held[g][i]]
                 idx.apply_events(src, [ev, removed(gone, g, medium=medium, **kw)])
         want = _rule(held, layout, n, weights)

@@ -37,10 +37,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
+from operator import attrgetter
 
 import msgspec
 
@@ -140,6 +142,9 @@ class _Entry(msgspec.Struct, gc=False):
             self.mask &= ~bit
             return True
         return False
+
+
+_MASK = attrgetter("mask")
 
 
 class _EndpointBlocks:
@@ -382,11 +387,7 @@ class KVIndex:
     def _mask_reader(self, ep: _EndpointBlocks, keys: Sequence[int]) -> Callable[[int], int]:
         """Memoized mask of block ``i`` of ``keys`` for ``ep``, its shared tiers' copies
         included (masks OR: the best medium of each group)."""
-        tiers = [
-            self._by_bit[tb].by_key
-            for tb, members in self._tier_members.items()
-            if members & ep.bit and self._by_bit[tb].by_key
-        ]
+        tiers = self._tier_maps(ep)
         get = ep.by_key.get
         masks: dict[int, int] = {}
 
@@ -404,25 +405,60 @@ class KVIndex:
 
         return mask_at
 
+    def _tier_maps(self, ep: _EndpointBlocks) -> list[OrderedDict[int, _Entry]]:
+        """Block maps of the shared tiers ``ep`` can load from."""
+        return [
+            self._by_bit[tb].by_key
+            for tb, members in self._tier_members.items()
+            if members & ep.bit and self._by_bit[tb].by_key
+        ]
+
     def _sliding_hit(
-        self, ep: _EndpointBlocks, top: int, mask_at: Callable[[int], int]
+        self,
+        ep: _EndpointBlocks,
+        keys: Sequence[int],
+        top: int,
+        mask_at: Callable[[int], int],
+        exact: bool,
     ) -> tuple[int, list[tuple[int, int]]]:
         """The largest hit L <= ``top`` whose sliding windows are all held, and the sliding
         groups as (mask shift, blocks needed). A block missing at j in a window rules out
-        every L in (j, j + need], so L jumps to j: one probe per block at most."""
+        every L in (j, j + need], so L jumps to j. After a few jumps (a window lost over a
+        long stretch), L jumps to the next block a sliding group holds, found at C speed.
+        ``exact`` (the endpoint may hold a block only through a tier): the blocks it holds
+        itself or through a tier stand in, for a model with sliding windows only."""
         bs = ep.block_size or 1
         sliding = [(GROUP_SHIFT * g, window_blocks(win, bs)) for g, win in ep.layout.items() if win]
         hit = top
+        probes = 0
+        held: list[int] | None = None  # candidate block positions L - 1, ascending
         while hit > 0 and sliding:
             bound = hit
             for s, need in sliding:
                 for j in range(hit - 1, max(0, hit - need) - 1, -1):
+                    probes += 1
                     if not (mask_at(j) >> s) & _MEDIA:
                         bound = min(bound, j)
                         break
             if bound == hit:
                 break
             hit = bound
+            if probes > 64 and hit and not (exact and ep.full_shifts):
+                if held is None:
+                    prefix = keys[:top]
+                    if not exact:  # every block below top is held (full groups): its mask
+                        sl = sum(_MEDIA << s for s, _ in sliding)
+                        masks = map(_MASK, map(ep.by_key.__getitem__, prefix))
+                        held = list(compress(range(top), map(sl.__and__, masks)))
+                    else:
+                        held = list(compress(range(top), map(ep.by_key.__contains__, prefix)))
+                        for t in self._tier_maps(ep):
+                            more = compress(range(top), map(t.__contains__, prefix))
+                            held = sorted(set(held).union(more))
+                # Every sliding group must hold block L - 1: the next candidate ends on a
+                # held block.
+                i = bisect_right(held, hit - 1)
+                hit = held[i - 1] + 1 if i else 0
         return hit, sliding
 
     def _window_cost(
@@ -457,7 +493,7 @@ class KVIndex:
         if not top:
             return 0, 0.0
         mask_at = self._mask_reader(ep, keys)
-        hit, sliding = self._sliding_hit(ep, top, mask_at)
+        hit, sliding = self._sliding_hit(ep, keys, top, mask_at, exact=False)
         if not hit:
             return 0, 0.0
         w = self.mask_weights
@@ -482,7 +518,7 @@ class KVIndex:
                     top = i
                     break
                 cost += ep.full_cost(m, w)
-        hit, sliding = self._sliding_hit(ep, top, mask_at)
+        hit, sliding = self._sliding_hit(ep, keys, top, mask_at, exact=True)
         if not hit:
             return 0, 0.0
         if ep.full_shifts:
