@@ -9,7 +9,9 @@ Owns the scoring rules; the scheduler weights and sums them. A scorer may also
   was just sent to, for ``speculative_ttl_s`` (2 s; 0: off): the window before that engine's
   BlockStored events arrive, in which a burst of requests sharing a new prefix would
   otherwise be spread by load and each compute the prefix again (llm-d's precise prefix cache
-  scorer adds such speculative entries too).
+  scorer adds such speculative entries too). For a hybrid model (KV cache groups) the run is
+  the index's hybrid hit: full-attention groups hold the prefix, sliding-window groups the
+  window before its end (:mod:`kvserve.cluster.kv_index`).
 - ``approx_prefix``: the same run length from the router's own routing history; by default
   only for endpoints that publish no KV events (so it never double counts with the above).
 - ``queue_depth``: waiting requests, min-max normalized across candidates (fewest = 1).
