@@ -746,11 +746,14 @@ class KVIndex:
             )
             self._clear(ep)
             self.stats.layout_changes += 1
-        # What makes an entry "held" may change (a new full-attention group): reindex.
-        self._unindex(ep)
         ep.layout[group] = window
         ep.grouped = ep.layout != {0: 0}
-        ep.full_shifts = tuple(GROUP_SHIFT * g for g, win in sorted(ep.layout.items()) if not win)
+        full = tuple(GROUP_SHIFT * g for g, win in sorted(ep.layout.items()) if not win)
+        if full == ep.full_shifts:  # a sliding group: what makes an entry "held" is the same
+            return
+        # A full-attention group more or less: reindex what the endpoint holds.
+        self._unindex(ep)
+        ep.full_shifts = full
         for key, e in ep.by_key.items():
             if ep.full_held(e.mask):
                 self._holders[key] = self._holders.get(key, 0) | ep.bit
