@@ -211,6 +211,14 @@ def main() -> None:
     ap.add_argument("--mem-blocks", type=int, default=100_000)
     ap.add_argument("--out", default=str(RESULTS / "router_index_groups"))
     args = ap.parse_args()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", "src/kvserve/cluster/kv_index.py"], cwd=ROOT
+    ).returncode
+    if dirty:
+        head += "+uncommitted kv_index.py"
     base = load_base(args.base_rev)
     variants = {"base": base, "current": current}
     t_start = time.time()
@@ -279,9 +287,7 @@ def main() -> None:
     record = {
         "benchmark": "router_index_groups",
         "base_rev": args.base_rev,
-        "head_rev": subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),  # fmt: skip
+        "head_rev": head,
         "machine": machine,
         "loadavg_start_end": [load_start, os.getloadavg()[0]],
         "args": vars(args),
