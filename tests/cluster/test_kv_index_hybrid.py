@@ -498,3 +498,41 @@ def test_random_group_states_match_the_rule_by_brute_force(
         got = idx.match("a", keys)
         assert got[0] == want[0] and got[1] == pytest.approx(want[1]), (layout, held)
         assert idx.match_endpoints(["a"], lambda bs: keys)["a"][:2] == got
+
+
+def test_endpoint_picker_sees_the_hybrid_rule() -> None:
+    """The EPP (ext_proc front end) asks the same scheduling core: the endpoint whose hybrid
+    hit is longer gets the request, not the one whose full-attention group alone is."""
+    import asyncio
+
+    from kvserve.cluster.config import EndpointSpec as RouterEndpointSpec
+    from kvserve.cluster.config import RouterConfig
+    from kvserve.cluster.epp.processor import ExtProcStream
+    from kvserve.cluster.epp.server import EndpointPicker
+    from kvserve.cluster.gateway import Router
+    from tests.cluster.test_epp_processor import _body, _destination, _headers
+
+    addresses = {"a": "127.0.0.1:18011", "b": "127.0.0.1:18012"}
+    cfg = RouterConfig(
+        endpoints=[RouterEndpointSpec(url=f"http://{a}", model="m", name=n)
+                   for n, a in addresses.items()]
+    )  # fmt: skip
+    epp = EndpointPicker(Router(cfg), port=0)
+    epp.core.pool.load()
+    for ep in epp.core.pool.endpoints.values():
+        ep.healthy = True
+    h = hashes(100)
+    # a: the full group holds all 8 blocks, the sliding group only 0-4: a hit of 5.
+    epp.core.index.apply_events("a", [full_group(PROMPT, h), sliding_group(PROMPT, h, 0, 5)])
+    # b: a non-hybrid engine holding 6 blocks.
+    epp.core.index.apply_events("b", [full_group(PROMPT, hashes(900), 0, 6)])
+    body = msgspec.json.encode({"model": "m", "prompt": PROMPT, "max_tokens": 1})
+
+    async def pick() -> str:
+        s = ExtProcStream(epp)
+        assert await s.handle(_headers()) == []
+        out = await s.handle(_body(body, True))
+        s.release()
+        return _destination(out).split(",")[0]
+
+    assert asyncio.run(pick()) == addresses["b"]
