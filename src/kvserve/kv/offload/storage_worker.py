@@ -118,6 +118,7 @@ class StorageWorker:
         self.write_batch = max(1, write_batch)
         self.write_duty = write_duty
         self._policy = writer_policy
+        self._policy_at_start = writer_policy  # the writer threads' initializer's
         self._thread_policy = threading.local()  # the policy a writer thread runs under
         # One header (one hash of the payload) per chunk serves every tier of the same codec.
         codecs = {t.codec for t in self.tiers}
@@ -425,7 +426,7 @@ class StorageWorker:
 
     def _write(self, op: int, keys: list[bytes], payloads: list[memoryview]) -> StorageResult:
         policy = self._policy
-        if getattr(self._thread_policy, "name", policy) != policy:  # configure_writes since
+        if getattr(self._thread_policy, "name", self._policy_at_start) != policy:  # changed
             set_thread_policy(threading.get_native_id(), policy)
         self._thread_policy.name = policy
         n = len(keys)

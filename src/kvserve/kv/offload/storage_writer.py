@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import mmap
@@ -114,9 +115,12 @@ class WriterProcess:
         finally:
             child.close()
         self.pid = self.proc.pid
-        self._sock.sendall(json.dumps(config).encode())
         self._reader = threading.Thread(target=self._read_loop, name="kv-writer-ack", daemon=True)
         self._reader.start()
+        try:
+            self._sock.sendall(json.dumps(config).encode())
+        except OSError as e:  # it died before reading its configuration
+            self._died(f"its configuration could not be sent: {e}")
 
     # -- engine thread ---------------------------------------------------------------------
     def submit(
@@ -135,10 +139,16 @@ class WriterProcess:
             self._inflight.add(op)
         try:
             self._sock.sendall(json.dumps(msg).encode())
-        except OSError:
+        except OSError as e:
             with self._lock:
                 self._inflight.discard(op)
-            self._died("its socket refused an operation")
+            if e.errno == errno.EMSGSIZE:  # this operation only: too many chunks at once
+                logger.warning(
+                    "KV storage write of %d chunks too large for one message: not written "
+                    "(lower kv_tier_max_pending_writes)", len(keys),
+                )  # fmt: skip
+            else:
+                self._died(f"its socket refused an operation: {e}")
             return False
         return True
 
@@ -182,13 +192,20 @@ class WriterProcess:
                 data = b""
             if not data:
                 break
-            reply = json.loads(data)
-            op = int(reply["op"])
+            try:
+                reply = json.loads(data)
+                op = int(reply["op"])
+            except (ValueError, KeyError, TypeError):
+                logger.error("KV storage writer %d: unreadable reply %r", self.pid, data[:80])
+                break
             with self._lock:
                 if op not in self._inflight:
                     continue
                 self._inflight.discard(op)
-            self._on_reply(op, reply)
+            try:
+                self._on_reply(op, reply)
+            except Exception:  # a bug publishing one write must not stop the acknowledgements
+                logger.exception("KV storage write %d: its acknowledgement failed", op)
         if not self._closing:
             self._died("its socket closed")
         self._fail_inflight()
