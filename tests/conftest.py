@@ -35,7 +35,9 @@ def tiny_qwen2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class RunnerDriver:
     """Plays the scheduler for runner tests: allocates block ids from a free list (shuffled,
-    so block tables are not contiguous), builds SchedulerOutputs, applies sampled tokens."""
+    so block tables are not contiguous), builds SchedulerOutputs, applies sampled tokens.
+    Models with several KV cache groups get a table per group (``group_tables``; every
+    block kept), ``tables`` being group 0's."""
 
     def __init__(self, runner, num_blocks: int = 512, seed: int = 0) -> None:
         import random
@@ -44,7 +46,8 @@ class RunnerDriver:
         runner.allocate_kv_cache(num_blocks)
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)
-        self.tables: dict[str, list[int]] = {}
+        self.num_groups = len(getattr(runner, "kv_cache_groups", ())) or 1
+        self.group_tables: dict[str, list[list[int]]] = {}
 
     def step(self, work, finished=()):
         """``work``: [(request, num_tokens)]. Returns the ModelRunnerOutput."""
@@ -53,12 +56,17 @@ class RunnerDriver:
         bs = self.runner.block_size
         so = SchedulerOutput(finished_req_ids=set(finished))
         for req, n in work:
-            table = self.tables.setdefault(req.request_id, [])
-            while len(table) * bs < req.num_computed_tokens + n:
-                table.append(self.free.pop())
+            tables = self.group_tables.setdefault(
+                req.request_id, [[] for _ in range(self.num_groups)]
+            )
+            for table in tables:
+                while len(table) * bs < req.num_computed_tokens + n:
+                    table.append(self.free.pop())
             so.scheduled.append(req)
             so.num_scheduled_tokens[req.request_id] = n
-            so.block_ids[req.request_id] = list(table)
+            so.block_ids[req.request_id] = list(tables[0])
+            if self.num_groups > 1:
+                so.group_block_ids[req.request_id] = [list(t) for t in tables]
             so.total_num_scheduled_tokens += n
         out = self.runner.execute_model(so)
         for req, n in work:
@@ -67,8 +75,14 @@ class RunnerDriver:
                 req.append_output_token(tok)
         return out
 
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        """Group 0's table of each request."""
+        return {rid: tables[0] for rid, tables in self.group_tables.items()}
+
     def release(self, req) -> None:
-        self.free.extend(self.tables.pop(req.request_id, []))
+        for table in self.group_tables.pop(req.request_id, []):
+            self.free.extend(table)
 
     def generate(self, reqs, max_tokens: int, chunk: int = 1 << 30) -> list[list[int]]:
         """Run ``reqs`` together (chunked prefill of ``chunk`` tokens) to ``max_tokens``."""

@@ -52,11 +52,11 @@ def test_last_token_cap_full_hit_drops_last_block():
     admit(kvm, a)
     assert kvm.num_cached_block["a"] == 3
     b = make_request("b", prompt)
-    blocks, hit = kvm.get_computed_blocks(b)
+    (blocks,), hit = kvm.get_computed_blocks(b)  # one KV cache group
     assert hit == 8 and [x.block_id for x in blocks] == [1, 2]
     # One token more and the third block is fully inside the first num_tokens - 1 tokens.
     c = make_request("c", prompt + [99])
-    blocks, hit = kvm.get_computed_blocks(c)
+    (blocks,), hit = kvm.get_computed_blocks(c)
     assert hit == 12 and [x.block_id for x in blocks] == [1, 2, 3]
 
 
@@ -87,7 +87,7 @@ def test_admission_counts_free_hit_blocks_against_capacity():
     events_before = kvm.take_events()
     assert events_before  # BlockStored for a and hog
     b = make_request("b", list(range(8)) + [1, 2, 3, 4])  # 12 tokens, hits 2 free blocks
-    blocks, hit = kvm.get_computed_blocks(b)
+    (blocks,), hit = kvm.get_computed_blocks(b)
     assert hit == 8 and all(x.ref_cnt == 0 for x in blocks)
     # Needs 1 new block + 2 hit blocks that are free = 3 > 2 free blocks.
     assert kvm.allocate_slots(b, 4, hit, blocks) is None
@@ -224,7 +224,7 @@ def test_random_workload_keeps_integrity_and_never_leaks(ops, num_blocks):
             _, p, tail, salted = o
             n += 1
             req = make_request(f"r{n}", PREFIXES[p] + tail, cache_salt="s" if salted else None)
-            blocks, hit = kvm.get_computed_blocks(req)
+            (blocks,), hit = kvm.get_computed_blocks(req)
             assert hit < req.num_tokens and hit % BS == 0
             for i, blk in enumerate(blocks):
                 assert blk.block_hash == req.block_hashes[i]

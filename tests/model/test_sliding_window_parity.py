@@ -81,7 +81,7 @@ def test_greedy_matches_hf_across_windows(setup, backend):
         d,
         attention_backend=backend,
         block_size=16,
-        num_kv_blocks=160,
+        num_kv_blocks=960,  # 160 blocks of every layer: one layer per block in tiny-gemma3
         max_num_batched_tokens=40,
         max_num_seqs=4,
         enable_prefix_caching=True,
@@ -114,11 +114,15 @@ def test_prefill_logits_match_hf(setup, backend, runner_driver):
     prompt = _prompts(3, [151], runner.vocab_size)[0]
     req = Request("r0", prompt, _greedy(), block_size=16)
     driver.step([(req, 70)])
-    table = driver.tables["r0"]
-    while len(table) * 16 < len(prompt):
-        table.append(driver.free.pop())
+    tables = driver.group_tables["r0"]  # one per KV cache group
+    for table in tables:
+        while len(table) * 16 < len(prompt):
+            table.append(driver.free.pop())
     so = SchedulerOutput(
-        scheduled=[req], num_scheduled_tokens={"r0": len(prompt) - 70}, block_ids={"r0": table}
+        scheduled=[req],
+        num_scheduled_tokens={"r0": len(prompt) - 70},
+        block_ids={"r0": tables[0]},
+        group_block_ids={"r0": tables} if len(tables) > 1 else {},
     )
     ours = runner.compute_all_logits(so)["r0"]
     with torch.no_grad():

@@ -1,14 +1,16 @@
 """The primary KV block pool: blocks, their ref counts, the free LRU queue and the prefix cache.
 
-Owns which physical block ids are free, in use or cached (hash -> block), and the KV events
-that describe changes of what is cached. Knows nothing about requests beyond reading their
-token ids and block hashes when caching; per-request block tables live in
-:mod:`kvserve.engine.kv_cache_manager`.
+Owns which physical block ids are free, in use or cached ((hash, KV cache group) -> block),
+and the KV events that describe changes of what is cached. Knows nothing about requests beyond
+reading their token ids and block hashes when caching; per-request block tables live in
+:mod:`kvserve.engine.kv_cache_manager`. One pool serves every KV cache group of a hybrid model
+(:mod:`kvserve.engine.kv_cache_spec`): each group caches its own blocks under its own map,
+and its events say which group (``group_idx``) and what kind of KV it holds.
 
 Invariants (checked by :meth:`BlockPool.check_integrity`):
 - block 0 is the null block: never handed out, never in the free queue, never cached;
 - a block is in the free queue iff its ref count is 0;
-- free + in use == num_blocks - 1; a cached block (hash set) is in the map under its hash.
+- free + in use == num_blocks - 1; a cached block (hash set) is in its group's map under its hash.
 
 A free block keeps its hash (and stays hittable) until it is popped for reuse: that is when it
 is evicted. Freed blocks without a hash go to the head of the free queue (they hold nothing
@@ -17,10 +19,11 @@ worth keeping), freed cached blocks to the tail (LRU).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.engine.hashing import BlockHash, block_extra_keys, hash_to_int
+from kvserve.engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from kvserve.kv.events import MEDIUM_GPU, AllBlocksCleared, AnyKVEvent, BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
@@ -30,12 +33,15 @@ if TYPE_CHECKING:
 class KVCacheBlock:
     """One physical block of the pool, with intrusive links for the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+    __slots__ = (
+        "block_id", "ref_cnt", "block_hash", "group_idx", "prev_free_block", "next_free_block"
+    )  # fmt: skip
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
+        self.group_idx = 0  # the KV cache group it is cached for (while block_hash is set)
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
 
@@ -148,7 +154,10 @@ class BlockPool:
         block_size: int,
         enable_kv_cache_events: bool = True,
         medium: str = MEDIUM_GPU,
+        group_specs: Sequence[KVCacheSpec] | None = None,
     ) -> None:
+        """``group_specs``: the spec of each KV cache group caching here (default: one
+        full-attention group)."""
         if num_blocks < 2:
             raise ValueError(
                 f"a block pool needs at least 2 blocks (1 is the null block), got {num_blocks}"
@@ -163,14 +172,19 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        # hash -> {block_id: block}; several blocks may hold the same hash (duplicates).
-        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.group_specs: tuple[KVCacheSpec, ...] = tuple(group_specs or (FullAttentionSpec(),))
+        # Per group: hash -> {block_id: block}; several blocks may hold the same hash
+        # (duplicates). ``cached_block_hash_to_block`` is group 0's.
+        self.cached_by_group: list[dict[BlockHash, dict[int, KVCacheBlock]]] = [
+            {} for _ in self.group_specs
+        ]
+        self.cached_block_hash_to_block = self.cached_by_group[0]
         self._events: list[AnyKVEvent] = []
 
     # -- prefix cache ---------------------------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """A block holding ``block_hash`` (free or in use), or None."""
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group_idx: int = 0) -> KVCacheBlock | None:
+        """A block holding ``block_hash`` for group ``group_idx`` (free or in use), or None."""
+        blocks = self.cached_by_group[group_idx].get(block_hash)
         if not blocks:
             return None
         return next(iter(blocks.values()))
@@ -181,11 +195,14 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_idx: int = 0,
     ) -> None:
         """Make ``blocks[num_cached_blocks:num_full_blocks]`` hittable under the request's hashes.
 
-        ``blocks`` is the request's block table; the first ``num_cached_blocks`` are already
-        cached. Emits one ``BlockStored`` covering the newly cached blocks.
+        ``blocks`` is the request's block table in group ``group_idx``; the first
+        ``num_cached_blocks`` are already cached; null entries (blocks a sliding window
+        dropped) are skipped. Emits one ``BlockStored`` per run of consecutive newly cached
+        blocks.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
@@ -195,29 +212,32 @@ class BlockPool:
                 f"{request.request_id}: caching {num_full_blocks} blocks but it has "
                 f"{len(hashes)} hashes and {len(blocks)} blocks"
             )
+        cached = self.cached_by_group[group_idx]
         run: list[int] = []  # indices of a consecutive run of newly cached blocks
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
-                continue
-            if block.block_hash is not None:
-                if block.block_hash != hashes[i]:
+            if block.block_hash is not None or block.is_null:
+                if block.block_hash is not None and (
+                    block.block_hash != hashes[i] or block.group_idx != group_idx
+                ):
                     raise AssertionError(f"{block} at index {i} already holds another hash")
-                self._emit_stored(request, run)
+                self._emit_stored(request, run, group_idx)
                 run = []
                 continue
             block.block_hash = hashes[i]
-            self.cached_block_hash_to_block.setdefault(hashes[i], {})[block.block_id] = block
+            block.group_idx = group_idx
+            cached.setdefault(hashes[i], {})[block.block_id] = block
             run.append(i)
-        self._emit_stored(request, run)
+        self._emit_stored(request, run, group_idx)
 
-    def _emit_stored(self, request: Request, indices: list[int]) -> None:
+    def _emit_stored(self, request: Request, indices: list[int], group_idx: int) -> None:
         if not indices or not self.enable_kv_cache_events:
             return
         bs = self.block_size
         first, last = indices[0], indices[-1]
         hashes = request.block_hashes
         salted = bool(request.cache_salt) or bool(request.lora_name)
+        spec = self.group_specs[group_idx]
         self._events.append(
             BlockStored(
                 block_hashes=[hash_to_int(hashes[i]) for i in indices],
@@ -230,38 +250,50 @@ class BlockPool:
                     block_extra_keys(i, request.cache_salt, request.lora_name) if salted else None
                     for i in indices
                 ],
+                group_idx=group_idx,
+                kv_cache_spec_kind=spec.kind,
+                kv_cache_spec_sliding_window=spec.sliding_window,
             )
         )
 
     def _uncache(self, block: KVCacheBlock) -> BlockHash | None:
-        """Drop ``block`` from the map; returns its hash if no other block still holds it."""
+        """Drop ``block`` from its group's map; returns its hash if no other block of the
+        group still holds it."""
         block_hash = block.block_hash
         if block_hash is None:
             return None
         block.block_hash = None
-        holders = self.cached_block_hash_to_block.get(block_hash)
+        cached = self.cached_by_group[block.group_idx]
+        holders = cached.get(block_hash)
         if holders is None or holders.pop(block.block_id, None) is None:
             raise AssertionError(f"block {block.block_id} has a hash but is not in the map")
         if holders:
             return None
-        del self.cached_block_hash_to_block[block_hash]
+        del cached[block_hash]
         return block_hash
 
-    def _emit_removed(self, hashes: list[BlockHash]) -> None:
-        if hashes and self.enable_kv_cache_events:
-            self._events.append(
-                BlockRemoved(block_hashes=[hash_to_int(h) for h in hashes], medium=self.medium)
-            )
+    def _emit_removed(self, removed: list[tuple[BlockHash, int]]) -> None:
+        """One ``BlockRemoved`` per group (in the order the groups first appear)."""
+        if not removed or not self.enable_kv_cache_events:
+            return
+        by_group: dict[int, list[int]] = {}
+        for h, g in removed:
+            by_group.setdefault(g, []).append(hash_to_int(h))
+        for g, hashes in by_group.items():
+            self._events.append(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=g))
+
+    def _uncache_into(self, block: KVCacheBlock, removed: list[tuple[BlockHash, int]]) -> None:
+        g = block.group_idx
+        h = self._uncache(block)
+        if h is not None:
+            removed.append((h, g))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached content of these blocks (e.g. a failed load wrote them)."""
-        removed: list[BlockHash] = []
+        removed: list[tuple[BlockHash, int]] = []
         for block_id in block_ids:
-            if not 0 < block_id < self.num_blocks:
-                continue
-            h = self._uncache(self.blocks[block_id])
-            if h is not None:
-                removed.append(h)
+            if 0 < block_id < self.num_blocks:
+                self._uncache_into(self.blocks[block_id], removed)
         self._emit_removed(removed)
 
     def reset_prefix_cache(self) -> bool:
@@ -270,7 +302,8 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
-        self.cached_block_hash_to_block.clear()
+        for cached in self.cached_by_group:
+            cached.clear()
         # Nothing cached, so the LRU order means nothing any more: back to ascending ids, as at
         # start-up, so that new block tables are long runs of consecutive blocks (few, large
         # copies when KV is loaded into them).
@@ -290,12 +323,11 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: {self.free_block_queue.num_free_blocks} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        removed: list[BlockHash] = []
+        removed: list[tuple[BlockHash, int]] = []
         for block in blocks:  # evicted in LRU order (and so reported)
             assert block.ref_cnt == 0, block
-            h = self._uncache(block)
-            if h is not None:
-                removed.append(h)
+            if block.block_hash is not None:
+                self._uncache_into(block, removed)
             block.ref_cnt = 1
         self._emit_removed(removed)
         # Which blocks are evicted is the LRU's choice; which of them holds which position of
@@ -345,7 +377,7 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
     def get_num_cached_blocks(self) -> int:
-        return sum(len(v) for v in self.cached_block_hash_to_block.values())
+        return sum(len(v) for cached in self.cached_by_group for v in cached.values())
 
     def take_events(self) -> list[AnyKVEvent]:
         events, self._events = self._events, []
@@ -382,7 +414,9 @@ class BlockPool:
             elif block.block_id not in seen:
                 raise AssertionError(f"{block} has no reference but is not in the free queue")
             if block.block_hash is not None:
-                holders = self.cached_block_hash_to_block.get(block.block_hash, {})
+                if not 0 <= block.group_idx < len(self.cached_by_group):
+                    raise AssertionError(f"{block} is cached for an unknown group")
+                holders = self.cached_by_group[block.group_idx].get(block.block_hash, {})
                 if holders.get(block.block_id) is not block:
                     raise AssertionError(f"{block} has a hash but is not in the map under it")
                 if block.ref_cnt == 0:
@@ -393,9 +427,14 @@ class BlockPool:
                 f"free ({num_free - cached_free} uncached + {cached_free} cached) + in use "
                 f"({in_use}) != {self.num_usable_blocks} usable blocks"
             )
-        for block_hash, holders in self.cached_block_hash_to_block.items():
-            if not holders:
-                raise AssertionError("empty holder set left in the map")
-            for block_id, block in holders.items():
-                if block.block_id != block_id or block.block_hash != block_hash:
-                    raise AssertionError(f"map entry {block_id} -> {block} is stale")
+        for g, cached in enumerate(self.cached_by_group):
+            for block_hash, holders in cached.items():
+                if not holders:
+                    raise AssertionError("empty holder set left in the map")
+                for block_id, block in holders.items():
+                    if (
+                        block.block_id != block_id
+                        or block.block_hash != block_hash
+                        or block.group_idx != g
+                    ):
+                        raise AssertionError(f"group {g} map entry {block_id} -> {block} is stale")

@@ -104,6 +104,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=self.events_enabled,
+            kv_cache_groups=getattr(self.runner, "kv_cache_groups", None),
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.connector = create_connector(config)
         if self.connector is not None:

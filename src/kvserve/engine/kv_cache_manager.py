@@ -1,7 +1,16 @@
 """Per-request KV block tables on top of the block pool: prefix hits, allocation, freeing.
 
-Owns ``request_id -> blocks`` and how many of a request's blocks are cached; the scheduler
+The coordinator of the KV cache groups (:mod:`kvserve.engine.kv_cache_spec`): one
+:mod:`single-type manager <kvserve.engine.single_type_managers>` per group owns that group's
+``request_id -> blocks``; this class computes the prefix hit every group agrees on, allocates
+for all groups at once (atomically: all or nothing) and frees them together. The scheduler
 decides *when* to allocate and free, the block pool *which* blocks. Never touches tensors.
+
+A prefix hit of L tokens (block-aligned) needs the full-attention groups to hold blocks
+``[0, L)`` and each sliding-window group the blocks covering ``[L - window + 1, L)``: the full
+groups give the longest L, each sliding group shortens it to the longest end where it holds
+its window, until every group agrees. Single-group models (pure full attention, or a window
+in every layer) take the same path with one group.
 
 Prefix-cache statistics count a request once per admission that succeeded: ``queries`` are the
 tokens looked up, ``hits`` the tokens served from the pool. Lookups of a preempted request that
@@ -12,15 +21,24 @@ counted at all. All counters are cumulative.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvserve.engine.block_pool import BlockPool, KVCacheBlock
+from kvserve.engine.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 from kvserve.engine.request import Request
+from kvserve.engine.single_type_managers import SingleTypeKVCacheManager, make_manager
 from kvserve.kv.events import MEDIUM_GPU, AnyKVEvent
 
+# Blocks of each KV cache group (group order), e.g. the prefix hits of a request.
+KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats", "cdiv"]
 
 
 @dataclass
@@ -41,7 +59,7 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Block tables of the running requests of one engine (one full-attention layer group)."""
+    """Block tables of the running requests of one engine, for every KV cache group."""
 
     def __init__(
         self,
@@ -53,28 +71,45 @@ class KVCacheManager:
         medium: str = MEDIUM_GPU,
         *,
         num_blocks: int | None = None,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """``block_pool``: an existing pool, or its size in blocks (also as ``num_blocks``).
-        ``max_model_len`` defaults to what the whole pool can hold."""
+        ``max_model_len`` defaults to what the whole pool can hold. ``kv_cache_groups``: the
+        model's groups (default: one full-attention group). ``max_num_batched_tokens``: the
+        longest prefill chunk (bounds what a sliding group holds; default: unbounded)."""
         if block_pool is None:
             block_pool = num_blocks
         if block_pool is None:
             raise ValueError("give a block_pool or num_blocks")
+        groups = list(kv_cache_groups or [KVCacheGroupSpec((0,), FullAttentionSpec())])
+        specs = [g.spec for g in groups]
         if isinstance(block_pool, int):
             block_pool = BlockPool(
-                block_pool, enable_caching, block_size, enable_kv_cache_events, medium
+                block_pool, enable_caching, block_size, enable_kv_cache_events, medium, specs
             )
         if block_pool.block_size != block_size:
             raise ValueError("block pool and manager disagree on block_size")
-        if max_model_len is None:
-            max_model_len = block_pool.num_usable_blocks * block_size
+        if len(block_pool.group_specs) != len(groups):
+            raise ValueError("block pool and manager disagree on the KV cache groups")
         self.block_pool = block_pool
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.enable_caching = enable_caching
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Number of leading blocks of each request that are already in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
+        self.kv_cache_groups = groups
+        self.num_groups = len(groups)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_manager(g.spec, i, block_pool) for i, g in enumerate(groups)
+        ]
+        self.full_managers = [m for m in self.managers if not isinstance(m.spec, SlidingWindowSpec)]
+        self.sliding_managers = [m for m in self.managers if isinstance(m.spec, SlidingWindowSpec)]
+        # Group 0's tables: the whole table of a single-group model (and the key set of every
+        # group's tables).
+        self.req_to_blocks = self.managers[0].req_to_blocks
+        self.num_cached_block = self.managers[0].num_cached_block
+        if max_model_len is None:
+            max_model_len = self.max_num_tokens
+        self.max_model_len = max_model_len
         self.prefix_cache_stats = PrefixCacheStats()
         # Lookups waiting for their admission to succeed: request_id -> (queried, hit) tokens.
         self._pending_stats: dict[str, tuple[int, int]] = {}
@@ -84,10 +119,26 @@ class KVCacheManager:
     def num_usable_blocks(self) -> int:
         return self.block_pool.num_usable_blocks
 
+    def max_blocks_for(self, num_tokens: int) -> int:
+        """Most blocks (all groups) one request of ``num_tokens`` tokens holds at once."""
+        bs = self.block_size
+        chunk = self.max_num_batched_tokens or num_tokens
+        return sum(g.spec.max_blocks(num_tokens, bs, chunk) for g in self.kv_cache_groups)
+
     @property
     def max_num_tokens(self) -> int:
-        """KV slots in the whole pool: no request can ever hold more."""
-        return self.num_usable_blocks * self.block_size
+        """Longest request the whole pool can hold: none can ever hold more tokens' KV."""
+        usable, bs = self.num_usable_blocks, self.block_size
+        if self.num_groups == 1 and not self.sliding_managers:
+            return usable * bs
+        # max_blocks_for is non-decreasing in the token count: largest fitting block count.
+        lo, hi = 0, usable * bs
+        if self.max_blocks_for(hi) <= usable:
+            return hi if self.full_managers else 1 << 40
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.max_blocks_for(mid) <= usable else (lo, mid)
+        return lo
 
     @property
     def usage(self) -> float:
@@ -97,24 +148,50 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     # -- prefix hits ----------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of the request: (blocks, tokens). Leaves >= 1 token to compute.
+    def empty_blocks(self) -> KVCacheBlocks:
+        return tuple([] for _ in self.managers)
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of the request every group agrees on: (blocks per group,
+        tokens). Leaves >= 1 token to compute.
 
         Only blocks lying entirely within the first ``num_tokens - 1`` tokens are considered,
         so a prompt of exactly k full blocks hits at most k - 1 blocks.
         """
         if not self.enable_caching:
-            return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
+            return self.empty_blocks(), 0
+        bs = self.block_size
+        hashes = request.block_hashes
+        max_hit = (request.num_tokens - 1) // bs
+        if self.num_groups == 1:
+            blocks = self.managers[0].find_longest_cache_hit(hashes, max_hit)
+            hit = len(blocks)
+            result: KVCacheBlocks = (blocks,)
+        else:
+            found: dict[int, list[KVCacheBlock]] = {}
+            hit = max_hit
+            for m in self.full_managers:
+                found[m.group_idx] = m.find_longest_cache_hit(hashes, hit)
+                hit = min(hit, len(found[m.group_idx]))
+            # Each sliding group may shorten the hit; another group's shorter hit can undo a
+            # sliding group's window, so repeat until no group shortens it (the hit only
+            # decreases: this ends).
+            changed = bool(self.sliding_managers)
+            while changed and hit > 0:
+                changed = False
+                for m in self.sliding_managers:
+                    got = found.get(m.group_idx)
+                    if got is not None and len(got) == hit:
+                        continue
+                    got = found[m.group_idx] = m.find_longest_cache_hit(hashes, hit)
+                    if len(got) < hit:
+                        hit, changed = len(got), True
+            result = tuple(
+                found[i][:hit] if hit and i in found else [] for i in range(self.num_groups)
+            )
+        num_hit_tokens = hit * bs
         self._pending_stats[request.request_id] = (request.num_tokens, num_hit_tokens)
-        return blocks, num_hit_tokens
+        return result, num_hit_tokens
 
     def _record_stats(self, request: Request) -> None:
         pending = self._pending_stats.pop(request.request_id, None)
@@ -141,53 +218,76 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: KVCacheBlocks | list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
-        """Give the request slots for ``num_new_tokens`` more tokens; None if the pool is short.
+        """Give the request slots for ``num_new_tokens`` more tokens in every group; None
+        (and nothing allocated) if the pool is short.
 
         ``new_computed_blocks`` (``num_new_computed_tokens`` tokens) are prefix hits from
-        :meth:`get_computed_blocks`, ``num_external_computed_tokens`` tokens after them are to
-        be filled by a KV connector. Hit blocks that are currently free count against free
-        capacity. Returns the newly allocated blocks. Newly full blocks of the computed and
-        scheduled tokens become hittable now unless ``delay_cache_blocks`` (their content is
-        only valid later, e.g. after an asynchronous load).
+        :meth:`get_computed_blocks` (a plain list: group 0's, for a single-group model),
+        ``num_external_computed_tokens`` tokens after them are to be filled by a KV
+        connector. Hit blocks that are currently free count against free capacity; blocks a
+        sliding window no longer reads are freed first. Returns the newly allocated blocks
+        (all groups). Newly full blocks of the computed and scheduled tokens become hittable
+        now unless ``delay_cache_blocks`` (their content is only valid later, e.g. after an
+        asynchronous load).
         """
         if num_new_tokens < 0 or num_external_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise ValueError("num_new_tokens must be > 0 unless loading external tokens")
-        computed = new_computed_blocks or []
-        if len(computed) * self.block_size != num_new_computed_tokens:
-            raise ValueError(
-                f"{num_new_computed_tokens} computed tokens do not match {len(computed)} blocks"
-            )
+        if not new_computed_blocks:
+            computed = None
+        elif isinstance(new_computed_blocks, list):
+            computed = (new_computed_blocks,)
+        else:
+            computed = new_computed_blocks
+        if computed is not None:
+            if len(computed) != self.num_groups or any(
+                len(c) * self.block_size != num_new_computed_tokens for c in computed
+            ):
+                raise ValueError(
+                    f"{num_new_computed_tokens} computed tokens do not match the hit blocks"
+                )
+            if not computed[0] and num_new_computed_tokens == 0:
+                computed = None
+        elif num_new_computed_tokens:
+            raise ValueError(f"{num_new_computed_tokens} computed tokens but no hit blocks")
         rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid)
-        if computed and req_blocks:
+        managers = self.managers
+        held = rid in self.req_to_blocks
+        if computed is not None and held and self.req_to_blocks[rid]:
             raise ValueError(f"{rid}: prefix hits for a request that already holds blocks")
-        num_held = len(req_blocks) if req_blocks else 0
         num_computed = (
             request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         )
+        if held and self.sliding_managers:
+            for m in self.sliding_managers:
+                m.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        num_new_blocks = max(cdiv(num_slots, self.block_size) - num_held - len(computed), 0)
-        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+        empty: list[KVCacheBlock] = []
+        need = 0
+        for i, m in enumerate(managers):
+            new, hits = m.get_num_blocks_to_allocate(
+                rid, num_slots, computed[i] if computed is not None else empty, num_computed
+            )
+            need += new + hits
+        if need > self.block_pool.get_num_free_blocks():
             return None
 
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[rid] = []
-        if computed:
-            self.block_pool.touch(computed)
-            req_blocks.extend(computed)
-            self.num_cached_block[rid] = len(computed)
+        if computed is not None:
+            for i, m in enumerate(managers):
+                m.save_computed_blocks(rid, computed[i], num_computed)
         self._record_stats(request)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        # (in ascending id order: the pool hands out the blocks it evicts sorted)
-        req_blocks.extend(new_blocks)
+        if self.num_groups == 1:
+            new_blocks = managers[0].allocate_new_blocks(rid, num_slots, num_computed)
+        else:
+            new_blocks = []
+            for m in managers:
+                new_blocks += m.allocate_new_blocks(rid, num_slots, num_computed)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
@@ -196,50 +296,41 @@ class KVCacheManager:
         """Make the request's full blocks within its first ``num_computed_tokens`` hittable."""
         if not self.enable_caching:
             return
-        rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        if not blocks:
-            return
-        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
-        num_full = min(num_full, len(blocks))
-        num_cached = self.num_cached_block.get(rid, 0)
-        if num_full <= num_cached:
-            return
-        self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full)
-        self.num_cached_block[rid] = num_full
+        n = min(num_computed_tokens, request.num_tokens)
+        for m in self.managers:
+            m.cache_blocks(request, n)
 
     def uncache_from(self, request: Request, block_index: int) -> None:
-        """Blocks from ``block_index`` on hold wrong KV: drop them from the cache and recompute
-        (the blocks stay in the request's table)."""
-        rid = request.request_id
-        blocks = self.req_to_blocks.get(rid, [])
-        self.block_pool.evict_blocks(
-            b.block_id for b in blocks[block_index:] if b.block_hash is not None
-        )
-        if self.num_cached_block.get(rid, 0) > block_index:
-            self.num_cached_block[rid] = block_index
+        """Blocks from ``block_index`` on (every group) hold wrong KV: drop them from the
+        cache and recompute (the blocks stay in the request's tables)."""
+        for m in self.managers:
+            m.uncache_from(request.request_id, block_index)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its tail."""
         rid = request.request_id
         self._pending_stats.pop(rid, None)
-        self.num_cached_block.pop(rid, None)
-        blocks = self.req_to_blocks.pop(rid, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+        for m in reversed(self.managers):
+            m.free(rid)
 
     def evict_blocks(self, block_ids: set[int] | list[int]) -> None:
         self.block_pool.evict_blocks(block_ids)
 
     # -- views ----------------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """Group 0's table (the whole table of a single-group model)."""
         return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """Group 0's block ids (see :meth:`get_group_block_ids` for every group)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """Block ids of every group's table (0: the null block a window no longer reads)."""
+        return [[b.block_id for b in m.req_to_blocks.get(request_id, [])] for m in self.managers]
+
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
-        """Leading blocks of this request shared by all ``num_running_requests`` requests."""
+        """Leading blocks of this request (group 0) shared by all running requests."""
         n = 0
         for block in self.req_to_blocks.get(request_id, []):
             if block.ref_cnt != num_running_requests:
@@ -257,16 +348,26 @@ class KVCacheManager:
         return self.block_pool.take_events()
 
     def check_integrity(self) -> None:
-        """Pool invariants plus: every table's blocks are referenced, ref counts add up."""
+        """Pool invariants plus: every table's blocks are referenced, ref counts add up,
+        every group has a table for the same requests, and a sliding group's null entries
+        are a prefix of its table."""
         self.block_pool.check_integrity()
         refs: dict[int, int] = {}
-        for rid, blocks in self.req_to_blocks.items():
-            for block in blocks:
-                if block.is_null:
-                    continue
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
-            if self.num_cached_block.get(rid, 0) > len(blocks):
-                raise AssertionError(f"{rid}: more cached blocks than blocks")
+        rids = set(self.req_to_blocks)
+        for m in self.managers:
+            if set(m.req_to_blocks) != rids:
+                raise AssertionError(f"group {m.group_idx} has tables of other requests")
+            for rid, blocks in m.req_to_blocks.items():
+                seen_block = False
+                for block in blocks:
+                    if block.is_null:
+                        if seen_block or m.spec.sliding_window is None:
+                            raise AssertionError(f"{rid}: null block inside group {m.group_idx}")
+                        continue
+                    seen_block = True
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                if m.num_cached_block.get(rid, 0) > len(blocks):
+                    raise AssertionError(f"{rid}: more cached blocks than blocks")
         for block in self.block_pool.blocks[1:]:
             if block.ref_cnt != refs.get(block.block_id, 0):
                 raise AssertionError(

@@ -1,14 +1,17 @@
 """Model runner: turns one :class:`SchedulerOutput` into batch tensors (input ids, positions,
 slot mapping, block tables), runs the forward pass over the paged KV cache, and samples.
 
-Owns the model weights, the sampler and the device/dtype choice. It reads Request objects but
-never mutates them (the scheduler appends the sampled tokens), and it does not own the KV
-cache tensor's lifetime beyond allocating it (``allocate_kv_cache``).
+Owns the model weights, the sampler and the device/dtype choice, and the model's KV cache
+groups (:mod:`kvserve.engine.kv_cache_spec`): which group and block slot each layer's KV
+uses, and one attention metadata per group each step. It reads Request objects but never
+mutates them (the scheduler appends the sampled tokens), and it does not own the KV cache
+tensor's lifetime beyond allocating it (``allocate_kv_cache``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import torch
@@ -21,12 +24,20 @@ from kvserve.engine.attention import (
 )
 from kvserve.engine.attention.flashinfer_backend import AVAILABLE as FLASHINFER
 from kvserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+from kvserve.engine.kv_cache_spec import (
+    KVCacheGroupSpec,
+    layer_slots,
+    layers_per_group,
+    make_kv_cache_groups,
+)
 from kvserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model, resolve_device, resolve_dtype
 from kvserve.model.packed_linear import pack_linears
+
+logger = logging.getLogger(__name__)
 
 # Cores left to the rest of the process on CPU engines (from RESERVE_FROM_CORES usable cores
 # on): the server's event loop (HTTP, detokenizing) and the engine thread's Python between ops,
@@ -86,6 +97,7 @@ class ModelRunner:
         # fp32 projections through oneDNN's packed GEMM (load_model leaves fp32 on torch's
         # BLAS, bitwise transformers): 1.75-2x faster on the dev box, logits within ~1e-5.
         pack_linears(self.model, fp32=True)
+        self.kv_cache_groups = self._make_kv_cache_groups()
         self.attn_backend = self._pick_attention_backend()
         set_attention_backend(self.model, self.attn_backend)
         self.sampler = Sampler(config.seed)
@@ -98,12 +110,39 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or max_len
         self.vocab_size = self.model_config.vocab_size
 
+    def _make_kv_cache_groups(self) -> list[KVCacheGroupSpec]:
+        """The model's KV cache groups (one when ``kv_groups`` is off or a KV connector that
+        moves whole blocks of every layer is configured), bound to its attention layers."""
+        enable = self.config.kv_groups
+        if enable and self.config.kv_connector:
+            groups = make_kv_cache_groups(self.model_config, enable=True)
+            if len(groups) > 1:
+                logger.warning(
+                    "KV cache groups are off: the %s connector moves every layer's KV",
+                    self.config.kv_connector,
+                )
+                enable = False
+        groups = make_kv_cache_groups(self.model_config, enable=enable)
+        slots = layer_slots(groups)
+        for module in self.model.modules():
+            if hasattr(module, "kv_slot") and hasattr(module, "layer_idx"):
+                module.kv_group, module.kv_slot = slots[module.layer_idx]
+        return groups
+
     def _pick_attention_backend(self):
         """KERNEL's choice (``get_attention_backend``), except that ``auto`` on CUDA takes
-        FlashInfer when it imports (``KVSERVE_ATTENTION_BACKEND=torch`` keeps torch)."""
+        FlashInfer when it imports (``KVSERVE_ATTENTION_BACKEND=torch`` keeps torch) and the
+        model has one KV cache group (its plan covers one set of page tables)."""
         name = self.config.attention_backend
         env = os.environ.get("KVSERVE_ATTENTION_BACKEND") or "auto"
-        if self.device.type == "cuda" and name == "auto" and env == "auto" and FLASHINFER:
+        one_group = len(self.kv_cache_groups) == 1
+        if (
+            self.device.type == "cuda"
+            and name == "auto"
+            and env == "auto"
+            and FLASHINFER
+            and one_group
+        ):
             m = self.model_config
             backend = FlashInferAttentionBackend(self.device)
             backend.configure(
@@ -117,18 +156,21 @@ class ModelRunner:
     @property
     def kv_cache_shape_per_block(self) -> tuple[int, ...]:
         m = self.model_config
-        return (m.num_hidden_layers, 2, self.block_size, m.num_key_value_heads, m.head_dim)
+        n = layers_per_group(self.kv_cache_groups)
+        return (n, 2, self.block_size, m.num_key_value_heads, m.head_dim)
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block across all layers (K and V)."""
+        """Bytes of one KV block: K and V of the layers of one KV cache group (every layer
+        when the model has one group)."""
         n = 1
         for d in self.kv_cache_shape_per_block:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """``[num_blocks, num_layers, 2, block_size, H_kv, D]`` zeros; block 0 is the null
-        block. The runner keeps a reference and uses it for every step."""
+        """``[num_blocks, layers_per_group, 2, block_size, H_kv, D]`` zeros (``num_layers``
+        per block with one KV cache group); block 0 is the null block. The runner keeps a
+        reference and uses it for every step."""
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (block 0 is reserved)")
         self.kv_cache = torch.zeros(
@@ -201,6 +243,10 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, computed, tables = [], [], []
+        num_groups = len(self.kv_cache_groups)
+        group_tables: list[list[list[int]]] | None = None
+        if num_groups > 1:
+            group_tables = [[] for _ in range(num_groups)]
         for r in reqs:
             c, n = r.num_computed_tokens, n_sched[r.request_id]
             if c + n > r.num_tokens:
@@ -214,13 +260,25 @@ class ModelRunner:
             positions.extend(range(c, c + n))
             query_lens.append(n)
             computed.append(c)
-            tables.append(so.block_ids[r.request_id])
+            if group_tables is None:
+                tables.append(so.block_ids[r.request_id])
+            else:
+                per_group = so.group_block_ids.get(r.request_id)
+                if per_group is None or len(per_group) != num_groups:
+                    raise ValueError(
+                        f"request {r.request_id}: the model has {num_groups} KV cache groups; "
+                        "the scheduler output needs a block table per group"
+                    )
+                tables.append(per_group[0])
+                for g in range(num_groups):
+                    group_tables[g].append(per_group[g])
         # Built on the host; on a GPU its tensors go over in pinned, non-blocking copies.
         meta = AttentionMetadata.build(
             block_size=self.block_size,
             query_lens=query_lens,
             num_computed=computed,
             block_tables=tables,
+            group_block_tables=group_tables,
         )
         if input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
@@ -241,7 +299,8 @@ class ModelRunner:
     def _metadata_to_device(self, meta: AttentionMetadata) -> None:
         """Move every tensor of ``meta`` (and of its prefills) to the device: pinned host
         memory and ``non_blocking`` copies, so the step never waits for the GPU here."""
-        for obj in (meta, *meta.prefills):
+        objs = [o for m in (meta.groups or [meta]) for o in (m, *m.prefills)]
+        for obj in objs:
             for f in dataclasses.fields(obj):
                 value = getattr(obj, f.name)
                 if isinstance(value, torch.Tensor) and value.device != self.device:

@@ -19,13 +19,17 @@ class SchedulerOutput:
 
     For each scheduled request the runner computes tokens
     ``all_token_ids[num_computed_tokens : num_computed_tokens + num_scheduled_tokens[id]]``
-    writing their KV into ``block_ids`` (the request's full block table), and samples a token
+    writing their KV into ``block_ids`` (the request's full block table; one per KV cache group
+    in ``group_block_ids`` when the model has several), and samples a token
     only if that reaches the end of ``all_token_ids``.
     """
 
     scheduled: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Models with several KV cache groups: every group's block table (``block_ids`` is group
+    # 0's); empty for single-group models.
+    group_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
-from kvserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from kvserve.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from kvserve.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.connector import KVConnectorBase, KVConnectorOutput
@@ -98,7 +98,7 @@ class Scheduler:
             return "empty prompt"
         if n > self.max_model_len:
             return f"{n} tokens exceed max_model_len {self.max_model_len}"
-        if cdiv(n, self.block_size) > self.kv.num_usable_blocks:
+        if self.kv.max_blocks_for(n) > self.kv.num_usable_blocks:
             return f"{n} tokens exceed the whole KV pool ({self.kv.max_num_tokens} tokens)"
         if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
             return (
@@ -197,7 +197,15 @@ class Scheduler:
         decodes = [r for r in batch if self._is_decode(r, num_scheduled[r.request_id])]
         prefills = [r for r in batch if not self._is_decode(r, num_scheduled[r.request_id])]
         out.scheduled = decodes + prefills
-        out.block_ids = {r.request_id: self.kv.get_block_ids(r.request_id) for r in out.scheduled}
+        if self.kv.num_groups == 1:
+            out.block_ids = {
+                r.request_id: self.kv.get_block_ids(r.request_id) for r in out.scheduled
+            }
+        else:
+            groups = out.group_block_ids
+            for r in out.scheduled:
+                tables = groups[r.request_id] = self.kv.get_group_block_ids(r.request_id)
+                out.block_ids[r.request_id] = tables[0]
         out.total_num_scheduled_tokens = sum(num_scheduled.values())
         assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
@@ -288,8 +296,8 @@ class Scheduler:
                     connector.update_state_after_alloc(
                         request, self.kv.get_block_ids(rid), num_external
                     )
-                    if hit_blocks:
-                        connector.touch([b.block_hash for b in hit_blocks if b.block_hash])
+                    if num_hit:
+                        connector.touch([b.block_hash for b in hit_blocks[0] if b.block_hash])
                 request.num_computed_tokens = num_computed
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
@@ -418,8 +426,11 @@ class Scheduler:
         (their step's results are discarded)."""
         rolled_back: set[str] = set()
         for request in list(self.requests.values()):
-            blocks = self.kv.get_block_ids(request.request_id)
-            first_bad = next((k for k, b in enumerate(blocks) if b in invalid_block_ids), None)
+            first_bad = None
+            for blocks in self.kv.get_group_block_ids(request.request_id):
+                bad = next((k for k, b in enumerate(blocks) if b in invalid_block_ids), None)
+                if bad is not None and (first_bad is None or bad < first_bad):
+                    first_bad = bad
             if first_bad is None:
                 continue
             self.kv.uncache_from(request, first_bad)

@@ -143,6 +143,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.backend = backend or get_attention_backend()
         self.window = config.layer_window(layer_idx)  # sliding window (tokens) or None
+        # Where this layer's KV lives: its KV cache group (whose metadata it reads) and its
+        # slot in that group's blocks (set by the model runner; default: one group).
+        self.kv_group, self.kv_slot = 0, layer_idx
 
     def forward(
         self,
@@ -165,8 +168,8 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
             k = self.k_norm(qkv[:, self.q_size : qk_size].view(t, self.num_kv_heads, d))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = windowed_attention(self.backend, self.window, q, k, v, kv_cache[:, self.layer_idx],
-                               meta, self.scale)  # fmt: skip
+        o = windowed_attention(self.backend, self.window, q, k, v, kv_cache[:, self.kv_slot],
+                               meta.for_group(self.kv_group), self.scale)  # fmt: skip
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -252,7 +255,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` -> final-normed hidden states ``[T, hidden]``.
 
-        ``kv_cache``: ``[num_blocks, num_layers, 2, block_size, H_kv, D]``; this step's K/V
+        ``kv_cache``: ``[num_blocks, layers_per_group, 2, block_size, H_kv, D]`` (one slot
+        per layer of a KV cache group: every layer with one group); this step's K/V
         are written into it at ``attn_metadata.slot_mapping``."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(positions, x.dtype)

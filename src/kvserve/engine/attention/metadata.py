@@ -7,6 +7,11 @@ are ordered decodes first (one query token each), then prefills (chunks of one o
 tokens). Sliding-window layers read :meth:`AttentionMetadata.window_view`: the same step with
 block lists cut to the window and masks hiding keys older than it (built once per step and
 window).
+
+Models with several KV cache groups (:mod:`kvserve.engine.kv_cache_spec`) get one metadata
+per group (:meth:`AttentionMetadata.for_group`): the same queries and masks over that group's
+block tables (slot mapping, decode block lists, prefill tables); a sliding-window group's
+tables hold the null block where the window no longer reads.
 """
 
 from __future__ import annotations
@@ -69,6 +74,12 @@ class AttentionMetadata:
     # (the native kernel's request rows and concatenated block tables), by backend name.
     backend_state: dict[str, object] = field(default_factory=dict, repr=False)
     _windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+    # Several KV cache groups: every group's metadata (this one is group 0's); else empty.
+    groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
+
+    def for_group(self, group_idx: int) -> AttentionMetadata:
+        """The metadata of KV cache group ``group_idx`` (``self`` for group 0)."""
+        return self.groups[group_idx] if group_idx else self
 
     @property
     def num_decode_tokens(self) -> int:
@@ -124,7 +135,9 @@ class AttentionMetadata:
 
     def _windowed(self, window: int) -> AttentionMetadata:
         bs = self.block_size
-        view = dataclasses.replace(self, prefills=[], backend_state={}, _windows={}, window=window)
+        view = dataclasses.replace(
+            self, prefills=[], backend_state={}, _windows={}, window=window, groups=[]
+        )
         nd = self.num_decodes
         if nd:
             dev = self.decode_block_ids.device
@@ -169,10 +182,13 @@ class AttentionMetadata:
         num_computed: list[int],
         block_tables: list[list[int]],
         device: torch.device | str = "cpu",
+        group_block_tables: list[list[list[int]]] | None = None,
     ) -> AttentionMetadata:
         """Build metadata for requests already ordered decodes first.
 
         ``block_tables[i]`` must cover positions ``[0, num_computed[i] + query_lens[i])``.
+        ``group_block_tables[g][i]``: request i's table in KV cache group g (several groups;
+        ``block_tables`` is then group 0's), null block ids allowed where no query reads.
         """
         n = len(query_lens)
         num_decodes = 0
@@ -248,4 +264,51 @@ class AttentionMetadata:
                 qpos = torch.arange(c, c + q, device=device)
                 info.causal_mask = torch.arange(c + q, device=device)[None, :] <= qpos[:, None]
             meta.prefills.append(info)
+        if group_block_tables is not None and len(group_block_tables) > 1:
+            meta.groups = [meta] + [
+                meta._with_block_tables(tables, device) for tables in group_block_tables[1:]
+            ]
+        return meta
+
+    def _with_block_tables(
+        self, block_tables: list[list[int]], device: torch.device | str
+    ) -> AttentionMetadata:
+        """This step over another KV cache group's block tables (same queries and masks)."""
+        bs = self.block_size
+        nd = self.num_decodes
+        starts = self.query_start_loc
+        slots: list[int] = []
+        for i, table in enumerate(block_tables):
+            seq_len = self.seq_lens[i]
+            if len(table) * bs < seq_len:
+                raise ValueError(
+                    f"block table of {len(table)} blocks too short for {seq_len} tokens"
+                )
+            pos = seq_len - (starts[i + 1] - starts[i])
+            while pos < seq_len:
+                off = pos % bs
+                take = min(bs - off, seq_len - pos)
+                base = table[pos // bs] * bs
+                slots.extend(range(base + off, base + off + take))
+                pos += take
+        meta = dataclasses.replace(
+            self,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            prefills=[],
+            _rows={},
+            backend_state={},
+            _windows={},
+            groups=[],
+        )
+        if nd:
+            mb = self.decode_max_blocks
+            flat: list[int] = []
+            for table in block_tables[:nd]:
+                flat.extend(table[:mb])
+                if len(table) < mb:
+                    flat.extend([0] * (mb - len(table)))
+            meta.decode_block_ids = torch.tensor(flat, dtype=torch.long, device=device)
+        for p, table in zip(self.prefills, block_tables[nd:], strict=True):
+            t = torch.tensor(table[: -(-p.seq_len // bs)], dtype=torch.long, device=device)
+            meta.prefills.append(dataclasses.replace(p, block_table=t))
         return meta
