@@ -49,10 +49,6 @@ class EngineConfig:
     # layers keep only their window's blocks; off (--no-kv-groups): every layer keeps every
     # token's KV in one group
     kv_groups: bool = True
-    # KV cache groups per attention type (hybrid / sliding-window models): sliding-window
-    # layers keep only their window's blocks; off (--no-kv-groups): every layer keeps every
-    # token's KV in one group
-    kv_groups: bool = True
     prefix_hash_seed: str = "kvserve"  # seed of the block hash chain (same on every instance)
     seed: int = 0  # default sampling seed
     # torch intra-op threads on CPU (default: the usable cores minus one for the server's own
