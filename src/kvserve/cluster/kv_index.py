@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter
+from operator import attrgetter, or_
 
 import msgspec
 
@@ -145,6 +145,9 @@ class _Entry(msgspec.Struct, gc=False):
 
 
 _MASK = attrgetter("mask")
+
+
+_ZERO = _Entry(0, 0, b"", 0)  # stands in for a block a map does not hold
 
 
 class _EndpointBlocks:
@@ -379,31 +382,10 @@ class KVIndex:
         return {b: (n, n - penalty.get(b, 0.0)) for b, n in runs.items()}
 
     def _exact_only(self, ep: _EndpointBlocks) -> bool:
-        """Matched block by block, not in the one pass: a model with sliding windows only
+        """Matched on its own, not in the one pass: a model with sliding windows only
         (nothing bounds its hit from block 0), or a member of a shared tier (a block may be
         held partly by the endpoint, partly by the tier)."""
         return not ep.full_shifts or any(m & ep.bit for m in self._tier_members.values())
-
-    def _mask_reader(self, ep: _EndpointBlocks, keys: Sequence[int]) -> Callable[[int], int]:
-        """Memoized mask of block ``i`` of ``keys`` for ``ep``, its shared tiers' copies
-        included (masks OR: the best medium of each group)."""
-        tiers = self._tier_maps(ep)
-        get = ep.by_key.get
-        masks: dict[int, int] = {}
-
-        def mask_at(i: int) -> int:
-            m = masks.get(i)
-            if m is None:
-                e = get(keys[i])
-                m = e.mask if e is not None else 0
-                for t in tiers:
-                    te = t.get(keys[i])
-                    if te is not None:
-                        m |= te.mask
-                masks[i] = m
-            return m
-
-        return mask_at
 
     def _tier_maps(self, ep: _EndpointBlocks) -> list[OrderedDict[int, _Entry]]:
         """Block maps of the shared tiers ``ep`` can load from."""
@@ -413,25 +395,53 @@ class KVIndex:
             if members & ep.bit and self._by_bit[tb].by_key
         ]
 
+    @staticmethod
+    def _masks(maps: list[OrderedDict[int, _Entry]], keys: Sequence[int]) -> list[int]:
+        """Masks of ``keys`` in ``maps`` ORed together (0: nowhere), at C speed: a block held
+        partly by the endpoint, partly by a tier, is held by both's groups, each group on its
+        best medium."""
+        out = list(map(_MASK, map(maps[0].get, keys, repeat(_ZERO))))
+        for t in maps[1:]:
+            out = list(map(or_, out, map(_MASK, map(t.get, keys, repeat(_ZERO)))))
+        return out
+
+    def _full_run(self, ep: _EndpointBlocks, maps: list, keys: Sequence[int]) -> list[int]:
+        """Masks of the blocks [0, run) of ``keys``, run: the longest from block 0 that every
+        full-attention group holds (``maps``: the endpoint's and its tiers'). Chunk by
+        chunk, so the work follows the run, not the prompt."""
+        fulls = [_MEDIA << s for s in ep.full_shifts]
+        out: list[int] = []
+        pos, step = 0, 64
+        while pos < len(keys):
+            chunk = self._masks(maps, keys[pos : pos + step])
+            end = len(chunk)
+            for fm in fulls:
+                held = list(map(fm.__and__, chunk))
+                if 0 in held:
+                    end = min(end, held.index(0))
+            out += chunk[:end]
+            if end < len(chunk):
+                break
+            pos, step = pos + step, min(2 * step, 1024)
+        return out
+
     def _sliding_hit(
         self,
         ep: _EndpointBlocks,
-        keys: Sequence[int],
         top: int,
         mask_at: Callable[[int], int],
-        exact: bool,
+        candidates: Callable[[], list[int]],
     ) -> tuple[int, list[tuple[int, int]]]:
         """The largest hit L <= ``top`` whose sliding windows are all held, and the sliding
         groups as (mask shift, blocks needed). A block missing at j in a window rules out
         every L in (j, j + need], so L jumps to j. After a few jumps (a window lost over a
-        long stretch), L jumps to the next block a sliding group holds, found at C speed.
-        ``exact`` (the endpoint may hold a block only through a tier): the blocks it holds
-        itself or through a tier stand in, for a model with sliding windows only."""
+        long stretch), L jumps to the next of ``candidates()`` (ascending positions < top
+        where a sliding group may hold the block: every sliding group must hold L - 1)."""
         bs = ep.block_size or 1
         sliding = [(GROUP_SHIFT * g, window_blocks(win, bs)) for g, win in ep.layout.items() if win]
         hit = top
         probes = 0
-        held: list[int] | None = None  # candidate block positions L - 1, ascending
+        held: list[int] | None = None
         while hit > 0 and sliding:
             bound = hit
             for s, need in sliding:
@@ -443,39 +453,31 @@ class KVIndex:
             if bound == hit:
                 break
             hit = bound
-            if probes > 64 and hit and not (exact and ep.full_shifts):
+            if probes > 64 and hit:
                 if held is None:
-                    prefix = keys[:top]
-                    if not exact:  # every block below top is held (full groups): its mask
-                        sl = sum(_MEDIA << s for s, _ in sliding)
-                        masks = map(_MASK, map(ep.by_key.__getitem__, prefix))
-                        held = list(compress(range(top), map(sl.__and__, masks)))
-                    else:
-                        held = list(compress(range(top), map(ep.by_key.__contains__, prefix)))
-                        for t in self._tier_maps(ep):
-                            more = compress(range(top), map(t.__contains__, prefix))
-                            held = sorted(set(held).union(more))
-                # Every sliding group must hold block L - 1: the next candidate ends on a
-                # held block.
+                    held = candidates()
                 i = bisect_right(held, hit - 1)
                 hit = held[i - 1] + 1 if i else 0
         return hit, sliding
 
+    def _cost(self, ep: _EndpointBlocks, masks: Iterable[int]) -> float:
+        """Tier cost of blocks for the full-attention groups (one lookup per distinct mask)."""
+        w = self.mask_weights
+        masks = list(masks)
+        cost_of = {m: ep.full_cost(m, w) for m in set(masks)}
+        return sum(map(cost_of.__getitem__, masks))
+
     def _window_cost(
-        self,
-        hit: int,
-        sliding: list[tuple[int, int]],
-        mask_at: Callable[[int], int],
-        full_cost: Callable[[int], float],
+        self, ep: _EndpointBlocks, hit: int, sliding: list[tuple[int, int]], mask_at
     ) -> float:
         """Extra tier cost of the window blocks before ``hit``: a block costs the worst tier
-        among the groups that need it (``full_cost`` is what the full groups already cost)."""
+        among the groups that need it, the full-attention groups' cost already counted."""
         w = self.mask_weights
         extra = 0.0
         span = max((need for _, need in sliding), default=0)
         for i in range(max(0, hit - span), hit):
             m = mask_at(i)
-            base = full_cost(m)
+            base = ep.full_cost(m, w)
             worst = base
             for s, need in sliding:
                 if i >= hit - need:
@@ -489,42 +491,67 @@ class KVIndex:
         self, ep: _EndpointBlocks, keys: Sequence[int], top: int, weighted: float
     ) -> tuple[int, float]:
         """Fit the sliding windows below the full-attention groups' run ``top`` (weighted:
-        ``weighted``) found by the one pass."""
+        ``weighted``) that the one pass found; every block below ``top`` is ``ep``'s own."""
         if not top:
             return 0, 0.0
-        mask_at = self._mask_reader(ep, keys)
-        hit, sliding = self._sliding_hit(ep, keys, top, mask_at, exact=False)
+        get = ep.by_key.__getitem__
+
+        def mask_at(i: int) -> int:
+            return get(keys[i]).mask
+
+        def candidates() -> list[int]:
+            sl = sum(_MEDIA << GROUP_SHIFT * g for g, win in ep.layout.items() if win)
+            masks = map(_MASK, map(get, keys[:top]))
+            return list(compress(range(top), map(sl.__and__, masks)))
+
+        hit, sliding = self._sliding_hit(ep, top, mask_at, candidates)
         if not hit:
             return 0, 0.0
-        w = self.mask_weights
         cost = top - weighted
         if cost > 0.0 and hit < top:  # the blocks cut off took their tier cost with them
-            for i in range(hit, top):
-                cost -= ep.full_cost(mask_at(i), w)
-        cost += self._window_cost(hit, sliding, mask_at, lambda m: ep.full_cost(m, w))
+            cost -= self._cost(ep, map(_MASK, map(get, keys[hit:top])))
+        cost += self._window_cost(ep, hit, sliding, mask_at)
         return hit, hit - max(cost, 0.0)
 
     def _grouped_match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
-        """The hybrid rule for one endpoint, block by block: the full-attention groups bound
-        the hit (a run from block 0), then the sliding windows are fitted below it."""
-        w = self.mask_weights
-        mask_at = self._mask_reader(ep, keys)
-        top = len(keys)
-        cost = 0.0  # tier cost of blocks [0, top) for the full-attention groups
+        """The hybrid rule for one endpoint on its own (and its tiers' copies): the
+        full-attention groups bound the hit (a run from block 0), then the sliding windows
+        are fitted below it."""
+        maps = [ep.by_key, *self._tier_maps(ep)]
         if ep.full_shifts:
-            for i in range(len(keys)):
-                m = mask_at(i)
-                if not ep.full_held(m):
-                    top = i
-                    break
-                cost += ep.full_cost(m, w)
-        hit, sliding = self._sliding_hit(ep, keys, top, mask_at, exact=True)
+            masks = self._full_run(ep, maps, keys)
+            top = len(masks)
+            mask_at = masks.__getitem__
+
+            def candidates() -> list[int]:
+                sl = sum(_MEDIA << GROUP_SHIFT * g for g, win in ep.layout.items() if win)
+                return list(compress(range(top), map(sl.__and__, masks)))
+
+        else:  # sliding windows only: the hit may end anywhere, blocks are read as needed
+            top = len(keys)
+            memo: dict[int, int] = {}
+            get, tiers = ep.by_key.get, maps[1:]
+
+            def mask_at(i: int) -> int:
+                m = memo.get(i)
+                if m is None:
+                    k = keys[i]
+                    m = get(k, _ZERO).mask
+                    for t in tiers:
+                        m |= t.get(k, _ZERO).mask
+                    memo[i] = m
+                return m
+
+            def candidates() -> list[int]:
+                prefix = keys[:top]
+                held = map(bool, self._masks(maps, prefix))
+                return list(compress(range(top), held))
+
+        hit, sliding = self._sliding_hit(ep, top, mask_at, candidates)
         if not hit:
             return 0, 0.0
-        if ep.full_shifts:
-            for i in range(hit, top):
-                cost -= ep.full_cost(mask_at(i), w)
-        cost += self._window_cost(hit, sliding, mask_at, lambda m: ep.full_cost(m, w))
+        cost = self._cost(ep, masks[:hit]) if ep.full_shifts else 0.0
+        cost += self._window_cost(ep, hit, sliding, mask_at)
         return hit, hit - max(cost, 0.0)
 
     # ------------------------------------------------------------------ updates
