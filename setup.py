@@ -6,6 +6,9 @@
   torch backend serves (``kvserve.engine.attention.native_backend.AVAILABLE``). Built with
   OpenMP where the compiler has it (else single-threaded), -O3 and no -march: the kernel
   carries its own AVX-512 / AVX2 / baseline variants, chosen at import.
+- ``kvserve.model._fused_ops``: one-pass RMSNorm, RoPE and SiLU-and-mul; without it the torch
+  ops run (``kvserve.model.fused_ops.AVAILABLE``). Same flags plus -ffp-contract=off (torch's
+  roundings, op by op).
 """
 
 import os
@@ -34,8 +37,11 @@ class BuildExt(build_ext):
     Clang with libomp)."""
 
     def build_extension(self, ext: Extension) -> None:
-        if ext.name.endswith("_paged_attention") and self.compiler.compiler_type == "unix":
+        native = ext.name.endswith(("_paged_attention", "_fused_ops"))
+        if native and self.compiler.compiler_type == "unix":
             ext.extra_compile_args = [*ext.extra_compile_args, "-O3", "-std=gnu11", "-Wno-psabi"]
+            if ext.name.endswith("_fused_ops"):
+                ext.extra_compile_args = [*ext.extra_compile_args, "-ffp-contract=off"]
             if _compiler_accepts(self.compiler, ["-fopenmp"]):
                 ext.extra_compile_args = [*ext.extra_compile_args, "-fopenmp"]
                 ext.extra_link_args = [*ext.extra_link_args, "-fopenmp"]
@@ -56,6 +62,11 @@ setup(
             "kvserve.engine.attention._paged_attention",
             ["src/kvserve/engine/attention/_paged_attention.c"],
             depends=["src/kvserve/engine/attention/_paged_attention_vec.h"],
+            optional=True,
+        ),
+        Extension(
+            "kvserve.model._fused_ops",
+            ["src/kvserve/model/_fused_ops.c"],
             optional=True,
         ),
     ],

@@ -21,22 +21,23 @@ from kvserve.engine.attention import (
     TorchAttentionBackend,
     get_attention_backend,
 )
+from kvserve.model import fused_ops
 from kvserve.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight multiply (as HF does)."""
+    """RMSNorm computed in fp32 and cast back before the weight multiply (as HF does), in one
+    pass on CPU (:mod:`kvserve.model.fused_ops`)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of ``x``; with ``residual``, of ``x += residual`` (in place, the same
+        pass)."""
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -160,9 +161,9 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(t, self.num_kv_heads, d)
         cos, sin = cos_sin
         if self.q_norm is None:
-            # q and k side by side in each row: one RoPE over their heads together (half the
-            # ops; q and k come out as views of one tensor, as the backends accept).
-            qk = apply_rope(qkv[:, :qk_size].view(t, h + self.num_kv_heads, d), cos, sin)
+            # q and k side by side in each row: one RoPE over their heads together, in place in
+            # the QKV output (q and k stay views of it, as the backends accept).
+            qk = fused_ops.rope_(qkv[:, :qk_size].view(t, h + self.num_kv_heads, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(t, h, d))
@@ -200,8 +201,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] buffer
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -221,9 +221,10 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        # Residuals added into the sublayers' fresh outputs (no new [T, hidden] buffers).
-        x = self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+        # Residuals added into the sublayers' fresh outputs (no new [T, hidden] buffers); the
+        # first in the same pass as the norm that follows it.
+        h = self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
+        return self.mlp(self.post_attention_layernorm(h, residual=x)).add_(h)
 
 
 class LlamaForCausalLM(nn.Module):
