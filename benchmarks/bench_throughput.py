@@ -18,6 +18,12 @@ Runs, one after another (never two engines at once, so each has the whole machin
 source tree (``DIR/src`` first on ``PYTHONPATH``, e.g. a ``git worktree`` of an older commit
 with its extensions built), for before / after ratios measured in the same run.
 
+``--rounds N`` (N > 1) starts the HTTP servers once, all of them (each idle while another is
+measured), and measures them in turn N times: base, kvserve, vLLM, base, kvserve, ... so that a
+change of the machine's load hits every engine alike. The report's table holds each engine's
+median round (by total token throughput); every round's throughput and the per-round ratios
+are in its notes.
+
 Writes ``throughput_<date>.md`` / ``.json`` / ``.png`` to ``--out`` (default
 ``benchmarks/results``) with the machine description; ratios are against ``vllm-http`` when it
 ran, else against ``kvserve-offline``. vLLM is never installed by this script.
@@ -32,6 +38,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -110,6 +117,29 @@ def _vllm_version(python: Path) -> str | None:
     return out.stdout.strip() or None
 
 
+def _round_notes(by_label: dict[str, list]) -> list[str]:
+    """Lines for the report: every round's total token throughput per engine, and each
+    engine's per-round ratio to the others (same round)."""
+    labels = list(by_label)
+    lines = ["| round | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    rounds = len(next(iter(by_label.values())))
+    for i in range(rounds):
+        cells = [f"{by_label[x][i].summary.total_token_throughput:.1f}" for x in labels]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for a in labels:
+        for b in labels:
+            if a != b:
+                ratios = [
+                    x.summary.total_token_throughput / max(y.summary.total_token_throughput, 1e-12)
+                    for x, y in zip(by_label[a], by_label[b], strict=True)
+                ]
+                listed = ", ".join(f"{r:.3f}" for r in ratios)
+                med = statistics.median(ratios)
+                lines.append(f"- {a} / {b}, total tok/s per round: {listed} (median {med:.3f})")
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (default: the small preset)")
@@ -134,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--base-src", default=None, help="another kvserve tree: its HTTP run first (before/after)"
     )
     p.add_argument("--vllm-venv", default=None, help="virtualenv with vLLM's CPU build")
+    p.add_argument("--rounds", type=int, default=1, help="HTTP runs in turn, N times each")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's api_server")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-block-size", type=int, default=32)
@@ -205,20 +236,16 @@ def main(argv: list[str] | None = None) -> int:
             argv += ["--" + k.replace("_", "-"), str(v)]
         return argv + shlex.split(args.kvserve_args)
 
+    servers: list[tuple[str, str, list[str], dict | None, dict]] = []  # label, name, ...
     if args.base_src:
         src = str(Path(args.base_src).resolve() / "src")
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-        port = _free_port()
-        argv = kvserve_argv(port)
-        with ServerProcess("kvserve-base", argv, port, env) as server:
-            extra = {"argv": argv, "engine": kv_engine, "src": src}
-            measure(server, "kvserve-base-http", extra)
-
+        argv = kvserve_argv(_free_port())
+        extra = {"argv": argv, "engine": kv_engine, "src": src}
+        servers.append(("kvserve-base-http", "kvserve-base", argv, env, extra))
     if not args.skip_http:
-        port = _free_port()
-        argv = kvserve_argv(port)
-        with ServerProcess("kvserve", argv, port) as server:
-            measure(server, "kvserve-http", {"argv": argv, "engine": kv_engine})
+        argv = kvserve_argv(_free_port())
+        servers.append(("kvserve-http", "kvserve", argv, None, {"argv": argv, "engine": kv_engine}))
 
     vllm_version = None
     if args.vllm_venv:
@@ -236,8 +263,34 @@ def main(argv: list[str] | None = None) -> int:
                 argv += ["--" + k.replace("_", "-"), str(v)]
         argv += shlex.split(args.vllm_args)
         env = {"VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kv_cache_gib:g}"}
-        with ServerProcess("vllm", argv, port, env) as server:
-            measure(server, "vllm-http", {"argv": argv, "env": env, "version": vllm_version})
+        extra = {"argv": argv, "env": env, "version": vllm_version}
+        servers.append(("vllm-http", "vllm", argv, env, extra))
+
+    round_notes: list[str] = []
+    if args.rounds <= 1:
+        for label, name, argv, env, extra in servers:
+            port = int(argv[argv.index("--port") + 1])
+            with ServerProcess(name, argv, port, env) as server:
+                measure(server, label, extra)
+    elif servers:
+        started: list[tuple[str, ServerProcess, dict]] = []
+        try:
+            for label, name, argv, env, extra in servers:
+                port = int(argv[argv.index("--port") + 1])
+                started.append((label, ServerProcess(name, argv, port, env), extra))
+                started[-1][1].wait_ready(args.startup_timeout)
+            by_label: dict[str, list] = {label: [] for label, _, _ in started}
+            for i in range(args.rounds):
+                for label, server, extra in started:
+                    measure(server, label, dict(extra, round=i + 1))
+                    by_label[label].append(runs.pop())
+        finally:
+            for _, server, _ in started:
+                server.stop()
+        round_notes = _round_notes(by_label)
+        for rs in by_label.values():  # the median round of each engine
+            ranked = sorted(rs, key=lambda r: r.summary.total_token_throughput)
+            runs.append(ranked[(len(ranked) - 1) // 2])
 
     if not runs:
         print("nothing to run", file=sys.stderr)
@@ -255,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         "Offline TTFT is measured from submission of the whole batch. Ratio columns: > 1 means "
         f"better than `{baseline}`."
     )
+    if round_notes:
+        notes += f" HTTP engines measured in turn, {args.rounds} rounds; the table holds each "
+        notes += "engine's median round.\n\n" + "\n".join(round_notes)
     paths = write_report(
         args.out,
         runs,
