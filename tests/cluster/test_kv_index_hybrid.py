@@ -21,7 +21,8 @@ from kvserve.cluster.config import SchedulerConfig, ScorerSpec
 from kvserve.cluster.endpoints import Endpoint, EndpointSpec
 from kvserve.cluster.event_subscriber import EventSubscriber
 from kvserve.cluster.history import RoutingHistory, SessionTable
-from kvserve.cluster.kv_index import DEFAULT_TIER_WEIGHTS, KVIndex, window_blocks
+from kvserve.cluster.kv_groups import window_blocks
+from kvserve.cluster.kv_index import DEFAULT_TIER_WEIGHTS, KVIndex
 from kvserve.cluster.prompt_keys import prompt_block_keys
 from kvserve.cluster.routing_request import RoutingRequest
 from kvserve.cluster.scheduler import Scheduler
@@ -477,10 +478,10 @@ def test_random_group_states_match_the_rule_by_brute_force(
                 for _ in range(n)]
             for g, win in layout.items()
         }  # fmt: skip
-        for g, win in layout.items():  # a sliding group that lost a long stretch
-            if win and n > 64 and rng.random() < 0.5:
-                start = rng.randrange(n // 2)
-                for i in range(start, min(n, start + rng.randrange(40, 100))):
+        for g, win in layout.items():  # a sliding group that lost a long stretch (or every
+            if win and n > 64 and rng.random() < 0.6:  # other block of it: no window held)
+                start, every = rng.randrange(n // 2), rng.choice([1, 2])
+                for i in range(start, min(n, start + rng.randrange(40, 100)), every):
                     held[g][i] = set()
         if shared_tier:  # "a" uses the tier; "b" writes the prompt's blocks there
             idx.apply_events(

@@ -19,17 +19,18 @@ published an event of that tier is a member of it, and a block the tier holds co
 member at the tier's weight, whoever wrote it: a prefix computed on one instance is a hit
 (a cheaper one than GPU) on every instance that can load it.
 
-KV cache groups (hybrid models: Gemma 3, gpt-oss, Mistral-style sliding windows). An engine
-publishes each group's blocks with ``group_idx``, ``kv_cache_spec_kind`` and, for a sliding
-window, ``kv_cache_spec_sliding_window``; all groups share one hash chain. The index learns
-each endpoint's layout (group -> window, 0 for full attention) from its events and keeps one
-entry per block: its media mask holds 6 bits per group (``medium_bit << 6 * group``), so a
-group costs no memory of its own. A prefix of L blocks is a hit when every full-attention
-group holds blocks [0, L) and every sliding group holds the blocks its window reaches from
-position ``L * block_size`` (:func:`window_blocks`, vLLM's rule); the hit is the largest such
-L, each block weighted by the worst tier among the groups that need it. An endpoint whose
+KV cache groups (hybrid models; :mod:`kvserve.cluster.kv_groups` owns the layout and the
+rule). An engine publishes each group's blocks with ``group_idx``, ``kv_cache_spec_kind`` and,
+for a sliding window, ``kv_cache_spec_sliding_window``; all groups share one hash chain, so
+a block keeps one entry whose mask holds every group's media. A prefix of L blocks is a hit
+when every full-attention group holds blocks [0, L) and every sliding group the window
+before L; the hit is the largest such L, each block weighted by the worst tier among the
+groups that need it. For an endpoint with full-attention groups, its bit in the holder map
+means "every full-attention group holds the block", so the one pass over the prompt finds
+their run for all endpoints at once and only the windows below it are probed. Sliding-only
+models and members of shared tiers are matched one endpoint at a time. An endpoint whose
 events carry only group 0 with full attention (vLLM's non-hybrid models, older publishers)
-is matched by the one-pass path below, exactly as before groups existed.
+is matched exactly as before groups existed.
 """
 
 from __future__ import annotations
@@ -37,15 +38,25 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import attrgetter, or_
+from itertools import repeat
 
 import msgspec
 
+from kvserve.cluster.kv_groups import (
+    GROUP_SHIFT,
+    MAX_GROUPS,
+    MEDIA_MASK,
+    GroupLayout,
+    candidates_by_bits,
+    event_window,
+    full_run,
+    masks_of,
+    sliding_hit,
+    window_cost,
+)
 from kvserve.engine.hashing import DEFAULT_PREFIX_HASH_SEED, encode_tokens, hash_block, seed_hash
 from kvserve.kv.events import AllBlocksCleared, AnyKVEvent, BlockRemoved, BlockStored
 
@@ -55,11 +66,6 @@ logger = logging.getLogger(__name__)
 MEDIUM_BITS: dict[str, int] = {"GPU": 1, "CPU": 2, "DISK": 4, "FS": 8, "REDIS": 16}
 OTHER_MEDIUM_BIT = 32
 _ALL_BITS = 64
-_MEDIA = _ALL_BITS - 1  # the media bits of group 0 (or of one group, once shifted down)
-GROUP_SHIFT = 6  # group g's media bits are ``bit << GROUP_SHIFT * g`` in an entry's mask
-MAX_GROUPS = 64
-FULL_ATTENTION = "full_attention"
-SLIDING_WINDOW = "sliding_window"
 
 # Relative value of a hit per tier (a GPU hit is free; lower tiers cost a load).
 DEFAULT_TIER_WEIGHTS: dict[str, float] = {
@@ -88,13 +94,6 @@ def medium_bit(medium: str | None, tier: str | None = None) -> int:
             return MEDIUM_BITS["REDIS"]
         return OTHER_MEDIUM_BIT
     return MEDIUM_BITS.get(medium, OTHER_MEDIUM_BIT)
-
-
-def window_blocks(window: int, block_size: int) -> int:
-    """Blocks a sliding-window group must hold before a hit point: the token at position p
-    attends to the ``window - 1`` tokens before it (as in transformers and vLLM, whose
-    sliding-window manager asks for ``cdiv(window - 1, block_size)`` blocks)."""
-    return -(-(window - 1) // block_size) if window > 1 else 0
 
 
 def mask_weights(tier_weights: dict[str, float]) -> list[float]:
@@ -144,12 +143,6 @@ class _Entry(msgspec.Struct, gc=False):
         return False
 
 
-_MASK = attrgetter("mask")
-
-
-_ZERO = _Entry(0, 0, b"", 0)  # stands in for a block a map does not hold
-
-
 class _EndpointBlocks:
     __slots__ = (
         "bit",
@@ -157,43 +150,17 @@ class _EndpointBlocks:
         "by_engine",
         "by_key",
         "ghosts",
-        "layout",
-        "grouped",
-        "full_shifts",
+        "groups",
     )
 
     def __init__(self, bit: int) -> None:
         self.bit = bit  # this endpoint's bit in the holder masks
         self.block_size: int | None = None
-        # KV groups seen in events: group id -> sliding window in tokens (0: full attention).
-        self.layout: dict[int, int] = {}
-        self.grouped = False  # anything but group 0 with full attention: matched per group
-        self.full_shifts: tuple[int, ...] = (0,)  # mask shifts of the full-attention groups
+        self.groups = GroupLayout()  # the KV groups its events declared
         self.by_engine: dict[int, _Entry] = {}
         self.by_key: OrderedDict[int, _Entry] = OrderedDict()  # LRU order: oldest first
         # Engine hash -> key bytes of blocks no longer held, to resolve late parents.
         self.ghosts: OrderedDict[int, bytes] = OrderedDict()
-
-    def full_held(self, mask: int) -> bool:
-        """Is the entry in the holder map: every full-attention group holds it (any group,
-        for a model with sliding windows only)."""
-        if not self.grouped or not self.full_shifts:
-            return mask != 0
-        return all((mask >> s) & _MEDIA for s in self.full_shifts)
-
-    def full_lower(self, mask: int) -> bool:
-        """Held (:meth:`full_held`) but some full-attention group holds it below GPU only."""
-        if not self.grouped:
-            return mask != 0 and not mask & 1
-        if not self.full_held(mask):
-            return False
-        return any(not (mask >> s) & 1 for s in self.full_shifts)
-
-    def full_cost(self, mask: int, w: list[float]) -> float:
-        """1 - the weight of a block for the full-attention groups: their worst tier."""
-        if not self.grouped:
-            return 1.0 - w[mask & _MEDIA]
-        return max((1.0 - w[(mask >> s) & _MEDIA] for s in self.full_shifts), default=0.0)
 
 
 @dataclass
@@ -280,7 +247,7 @@ class KVIndex:
         """KV groups ``endpoint`` published: group id -> sliding window (0: full attention)."""
         with self._lock:
             ep = self._endpoints.get(endpoint)
-            return dict(ep.layout) if ep else {}
+            return dict(ep.groups.windows) if ep else {}
 
     def media(self, endpoint: str, key: int, group: int = 0) -> set[str]:
         """Media on which ``endpoint``'s KV group ``group`` holds block ``key``."""
@@ -289,7 +256,7 @@ class KVIndex:
             entry = ep.by_key.get(key) if ep else None
             if entry is None:
                 return set()
-            mask = (entry.mask >> GROUP_SHIFT * group) & _MEDIA
+            mask = (entry.mask >> GROUP_SHIFT * group) & MEDIA_MASK
             names = {n for n, b in MEDIUM_BITS.items() if mask & b}
             if mask & OTHER_MEDIUM_BIT:
                 names.add("OTHER")
@@ -301,10 +268,10 @@ class KVIndex:
             ep = self._endpoints.get(endpoint)
             if ep is None or not ep.by_key:
                 return 0, 0.0
-            if ep.grouped and self._exact_only(ep):
+            if ep.groups.grouped and self._exact_only(ep):
                 return self._grouped_match(ep, keys)
             n, w = self._runs(keys, ep.bit)[ep.bit]
-            return self._windows(ep, keys, n, w) if ep.grouped else (n, w)
+            return self._windows(ep, keys, n, w) if ep.groups.grouped else (n, w)
 
     def match_endpoints(
         self, endpoints: Iterable[str], keys_for: Callable[[int], Sequence[int]]
@@ -322,14 +289,14 @@ class KVIndex:
         with self._lock:
             groups: dict[int, int] = {}
             names: dict[int, tuple[str, _EndpointBlocks]] = {}
+            exact: list[tuple[str, _EndpointBlocks]] = []  # matched one by one
             for name in endpoints:
                 ep = self._endpoints.get(name)
                 if ep is None or ep.block_size not in keys_by_size or not ep.by_key:
                     out[name] = (0, 0.0, 0)
                     continue
-                if ep.grouped and self._exact_only(ep):
-                    keys = keys_by_size[ep.block_size]
-                    out[name] = (*self._grouped_match(ep, keys), len(keys))
+                if ep.groups.grouped and self._exact_only(ep):
+                    exact.append((name, ep))
                     continue
                 groups[ep.block_size] = groups.get(ep.block_size, 0) | ep.bit
                 names[ep.bit] = (name, ep)
@@ -337,9 +304,18 @@ class KVIndex:
                 keys = keys_by_size[bs]
                 for bit, (n, w) in self._runs(keys, alive).items():
                     name, ep = names[bit]
-                    if ep.grouped:  # the run is the full-attention groups': fit the windows
+                    if ep.groups.grouped:  # the run is the full-attention groups': fit the windows
                         n, w = self._windows(ep, keys, n, w)
                     out[name] = (n, w, len(keys))
+            if exact:
+                for bs in {ep.block_size for _, ep in exact}:
+                    keys = keys_by_size[bs]
+                    eps = [ep for _, ep in exact if ep.block_size == bs]
+                    ends = self._ends(keys, [ep for ep in eps if not ep.groups.full_shifts])
+                    for name, ep in exact:
+                        if ep.block_size == bs:
+                            hit = self._grouped_match(ep, keys, ends.get(ep.bit))
+                            out[name] = (*hit, len(keys))
         return out
 
     def _runs(self, keys: Sequence[int], alive: int) -> dict[int, tuple[int, float]]:
@@ -356,7 +332,7 @@ class KVIndex:
                 for tb in _bits(m & tier_bits):
                     via = members.get(tb, 0) & alive & ~m
                     if via:
-                        cost = 1.0 - w[by_bit[tb].by_key[k].mask & _MEDIA]
+                        cost = 1.0 - w[by_bit[tb].by_key[k].mask & MEDIA_MASK]
                         for b in _bits(via):
                             penalty[b] = penalty.get(b, 0.0) + cost
                         m |= via
@@ -373,7 +349,7 @@ class KVIndex:
                     w = self.mask_weights
                     for b in _bits(low):
                         holder = self._by_bit[b]
-                        penalty[b] = penalty.get(b, 0.0) + holder.full_cost(
+                        penalty[b] = penalty.get(b, 0.0) + holder.groups.full_cost(
                             holder.by_key[k].mask, w
                         )
         else:
@@ -385,107 +361,7 @@ class KVIndex:
         """Matched on its own, not in the one pass: a model with sliding windows only
         (nothing bounds its hit from block 0), or a member of a shared tier (a block may be
         held partly by the endpoint, partly by the tier)."""
-        return not ep.full_shifts or any(m & ep.bit for m in self._tier_members.values())
-
-    def _tier_maps(self, ep: _EndpointBlocks) -> list[OrderedDict[int, _Entry]]:
-        """Block maps of the shared tiers ``ep`` can load from."""
-        return [
-            self._by_bit[tb].by_key
-            for tb, members in self._tier_members.items()
-            if members & ep.bit and self._by_bit[tb].by_key
-        ]
-
-    @staticmethod
-    def _masks(maps: list[OrderedDict[int, _Entry]], keys: Sequence[int]) -> list[int]:
-        """Masks of ``keys`` in ``maps`` ORed together (0: nowhere), at C speed: a block held
-        partly by the endpoint, partly by a tier, is held by both's groups, each group on its
-        best medium."""
-        out = list(map(_MASK, map(maps[0].get, keys, repeat(_ZERO))))
-        for t in maps[1:]:
-            out = list(map(or_, out, map(_MASK, map(t.get, keys, repeat(_ZERO)))))
-        return out
-
-    def _full_run(self, ep: _EndpointBlocks, maps: list, keys: Sequence[int]) -> list[int]:
-        """Masks of the blocks [0, run) of ``keys``, run: the longest from block 0 that every
-        full-attention group holds (``maps``: the endpoint's and its tiers'). Chunk by
-        chunk, so the work follows the run, not the prompt."""
-        fulls = [_MEDIA << s for s in ep.full_shifts]
-        out: list[int] = []
-        pos, step = 0, 64
-        while pos < len(keys):
-            chunk = self._masks(maps, keys[pos : pos + step])
-            end = len(chunk)
-            for fm in fulls:
-                held = list(map(fm.__and__, chunk))
-                if 0 in held:
-                    end = min(end, held.index(0))
-            out += chunk[:end]
-            if end < len(chunk):
-                break
-            pos, step = pos + step, min(2 * step, 1024)
-        return out
-
-    def _sliding_hit(
-        self,
-        ep: _EndpointBlocks,
-        top: int,
-        mask_at: Callable[[int], int],
-        candidates: Callable[[], list[int]],
-    ) -> tuple[int, list[tuple[int, int]]]:
-        """The largest hit L <= ``top`` whose sliding windows are all held, and the sliding
-        groups as (mask shift, blocks needed). A block missing at j in a window rules out
-        every L in (j, j + need], so L jumps to j. After a few jumps (a window lost over a
-        long stretch), L jumps to the next of ``candidates()`` (ascending positions < top
-        where a sliding group may hold the block: every sliding group must hold L - 1)."""
-        bs = ep.block_size or 1
-        sliding = [(GROUP_SHIFT * g, window_blocks(win, bs)) for g, win in ep.layout.items() if win]
-        hit = top
-        probes = 0
-        held: list[int] | None = None
-        while hit > 0 and sliding:
-            bound = hit
-            for s, need in sliding:
-                for j in range(hit - 1, max(0, hit - need) - 1, -1):
-                    probes += 1
-                    if not (mask_at(j) >> s) & _MEDIA:
-                        bound = min(bound, j)
-                        break
-            if bound == hit:
-                break
-            hit = bound
-            if probes > 64 and hit:
-                if held is None:
-                    held = candidates()
-                i = bisect_right(held, hit - 1)
-                hit = held[i - 1] + 1 if i else 0
-        return hit, sliding
-
-    def _cost(self, ep: _EndpointBlocks, masks: Iterable[int]) -> float:
-        """Tier cost of blocks for the full-attention groups (one lookup per distinct mask)."""
-        w = self.mask_weights
-        masks = list(masks)
-        cost_of = {m: ep.full_cost(m, w) for m in set(masks)}
-        return sum(map(cost_of.__getitem__, masks))
-
-    def _window_cost(
-        self, ep: _EndpointBlocks, hit: int, sliding: list[tuple[int, int]], mask_at
-    ) -> float:
-        """Extra tier cost of the window blocks before ``hit``: a block costs the worst tier
-        among the groups that need it, the full-attention groups' cost already counted."""
-        w = self.mask_weights
-        extra = 0.0
-        span = max((need for _, need in sliding), default=0)
-        for i in range(max(0, hit - span), hit):
-            m = mask_at(i)
-            base = ep.full_cost(m, w)
-            worst = base
-            for s, need in sliding:
-                if i >= hit - need:
-                    c = 1.0 - w[(m >> s) & _MEDIA]
-                    if c > worst:
-                        worst = c
-            extra += worst - base
-        return extra
+        return not ep.groups.full_shifts or any(m & ep.bit for m in self._tier_members.values())
 
     def _windows(
         self, ep: _EndpointBlocks, keys: Sequence[int], top: int, weighted: float
@@ -494,64 +370,98 @@ class KVIndex:
         ``weighted``) that the one pass found; every block below ``top`` is ``ep``'s own."""
         if not top:
             return 0, 0.0
+        layout, w = ep.groups, self.mask_weights
         get = ep.by_key.__getitem__
 
         def mask_at(i: int) -> int:
             return get(keys[i]).mask
 
         def candidates() -> list[int]:
-            sl = sum(_MEDIA << GROUP_SHIFT * g for g, win in ep.layout.items() if win)
-            masks = map(_MASK, map(get, keys[:top]))
-            return list(compress(range(top), map(sl.__and__, masks)))
+            return candidates_by_bits(layout.sliding_bits, masks_of([ep.by_key], keys[:top]))
 
-        hit, sliding = self._sliding_hit(ep, top, mask_at, candidates)
+        sliding = layout.sliding(ep.block_size or 1)
+        hit = sliding_hit(sliding, top, mask_at, candidates)
         if not hit:
             return 0, 0.0
         cost = top - weighted
         if cost > 0.0 and hit < top:  # the blocks cut off took their tier cost with them
-            cost -= self._cost(ep, map(_MASK, map(get, keys[hit:top])))
-        cost += self._window_cost(ep, hit, sliding, mask_at)
+            cost -= layout.full_costs(masks_of([ep.by_key], keys[hit:top]), w)
+        cost += window_cost(layout, w, hit, sliding, mask_at)
         return hit, hit - max(cost, 0.0)
 
-    def _grouped_match(self, ep: _EndpointBlocks, keys: Sequence[int]) -> tuple[int, float]:
-        """The hybrid rule for one endpoint on its own (and its tiers' copies): the
+    def _ends(self, keys: Sequence[int], eps: list[_EndpointBlocks]) -> dict[int, int]:
+        """Endpoint bit -> 1 + the last block of ``keys`` each of ``eps`` holds at all (itself
+        or through a shared tier), 0 for none: one backward pass for all of them, the bound
+        of a sliding-only model's hit."""
+        tiers = self._tier_members.items()
+        counts = {ep.bit: ep.bit | sum(tb for tb, m in tiers if m & ep.bit) for ep in eps}
+        out = dict.fromkeys(counts, 0)
+        left = 0
+        for bits in counts.values():
+            left |= bits
+        get = self._holders.get
+        for i in range(len(keys) - 1, -1, -1):
+            m = get(keys[i], 0) & left
+            if m:
+                for b, bits in list(counts.items()):
+                    if m & bits:
+                        out[b] = i + 1
+                        del counts[b]
+                if not counts:
+                    break
+                left = 0
+                for bits in counts.values():
+                    left |= bits
+        return out
+
+    def _grouped_match(
+        self, ep: _EndpointBlocks, keys: Sequence[int], end: int | None = None
+    ) -> tuple[int, float]:
+        """The hybrid rule for one endpoint on its own (with its shared tiers' copies): the
         full-attention groups bound the hit (a run from block 0), then the sliding windows
-        are fitted below it."""
-        maps = [ep.by_key, *self._tier_maps(ep)]
-        if ep.full_shifts:
-            masks = self._full_run(ep, maps, keys)
+        are fitted below it. ``end``: a bound of a sliding-only model's hit (:meth:`_ends`)."""
+        layout, w = ep.groups, self.mask_weights
+        maps = [ep.by_key] + [
+            self._by_bit[tb].by_key
+            for tb, members in self._tier_members.items()
+            if members & ep.bit and self._by_bit[tb].by_key
+        ]
+        masks: list[int] = []
+        if layout.full_shifts:
+            masks = full_run(layout, maps, keys)
             top = len(masks)
             mask_at = masks.__getitem__
 
             def candidates() -> list[int]:
-                sl = sum(_MEDIA << GROUP_SHIFT * g for g, win in ep.layout.items() if win)
-                return list(compress(range(top), map(sl.__and__, masks)))
+                return candidates_by_bits(layout.sliding_bits, masks)
 
         else:  # sliding windows only: the hit may end anywhere, blocks are read as needed
-            top = len(keys)
+            if not any(need for _, need in layout.sliding(ep.block_size or 1)):
+                top = len(keys)  # windows of one token: nothing is needed before a hit
+            else:  # the hit ends on a block every sliding group holds
+                top = self._ends(keys, [ep])[ep.bit] if end is None else end
             memo: dict[int, int] = {}
-            get, tiers = ep.by_key.get, maps[1:]
 
             def mask_at(i: int) -> int:
                 m = memo.get(i)
                 if m is None:
-                    k = keys[i]
-                    m = get(k, _ZERO).mask
-                    for t in tiers:
-                        m |= t.get(k, _ZERO).mask
+                    k, m = keys[i], 0
+                    for t in maps:
+                        e = t.get(k)
+                        if e is not None:
+                            m |= e.mask
                     memo[i] = m
                 return m
 
             def candidates() -> list[int]:
-                prefix = keys[:top]
-                held = map(bool, self._masks(maps, prefix))
-                return list(compress(range(top), held))
+                return candidates_by_bits(-1, masks_of(maps, keys[:top]))  # held at all
 
-        hit, sliding = self._sliding_hit(ep, top, mask_at, candidates)
+        sliding = layout.sliding(ep.block_size or 1)
+        hit = sliding_hit(sliding, top, mask_at, candidates)
         if not hit:
             return 0, 0.0
-        cost = self._cost(ep, masks[:hit]) if ep.full_shifts else 0.0
-        cost += self._window_cost(ep, hit, sliding, mask_at)
+        cost = layout.full_costs(masks[:hit], w) if layout.full_shifts else 0.0
+        cost += window_cost(layout, w, hit, sliding, mask_at)
         return hit, hit - max(cost, 0.0)
 
     # ------------------------------------------------------------------ updates
@@ -660,16 +570,12 @@ class KVIndex:
         tokens = ev.token_ids
         n = len(hashes)
         group = ev.group_idx
-        if ev.kv_cache_spec_kind == FULL_ATTENTION:
-            window = 0
-        elif ev.kv_cache_spec_kind == SLIDING_WINDOW and (ev.kv_cache_spec_sliding_window or 0) > 0:
-            window = ev.kv_cache_spec_sliding_window
-        else:  # a kind we cannot score (or a window we do not know): not indexed
-            window = -1
+        # A kind the rule cannot score (or a sliding window without its size): not indexed.
+        window = event_window(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
         if window < 0 or not 0 <= group < MAX_GROUPS or bs <= 0 or len(tokens) != n * bs:
             self.stats.skipped_events += 1
             return 0
-        if ep.layout.get(group) != window:
+        if ep.groups.windows.get(group) != window:
             self._learn_group(ep, group, window)
         if ep.block_size != bs:
             if ep.block_size is not None:
@@ -707,7 +613,7 @@ class KVIndex:
         frm = int.from_bytes
         keys = [frm(kb[-8:], "big") for kb in key_bytes]
         # What a new entry holding only this event's copy is: indexed, below GPU only.
-        held, low = ep.full_held(bit), ep.full_lower(bit)
+        held, low = ep.groups.full_held(bit), ep.groups.full_lower(bit)
         if (
             by_engine.keys().isdisjoint(hashes)
             and by_key.keys().isdisjoint(keys)
@@ -764,27 +670,23 @@ class KVIndex:
     def _learn_group(self, ep: _EndpointBlocks, group: int, window: int) -> None:
         """A group seen for the first time, or one whose kind or window changed (a new model
         behind the same address: what the endpoint held was another layout's)."""
-        if group in ep.layout:
+        layout = ep.groups
+        if group in layout.windows:
             logger.warning(
                 "KV group %d changed window %s -> %s: endpoint cleared",
                 group,
-                ep.layout[group],
+                layout.windows[group],
                 window,
             )
             self._clear(ep)
             self.stats.layout_changes += 1
-        ep.layout[group] = window
-        ep.grouped = ep.layout != {0: 0}
-        full = tuple(GROUP_SHIFT * g for g, win in sorted(ep.layout.items()) if not win)
-        if full == ep.full_shifts:  # a sliding group: what makes an entry "held" is the same
-            return
-        # A full-attention group more or less: reindex what the endpoint holds.
+        if not layout.learn(group, window):
+            return  # the same full-attention groups: the same entries count
         self._unindex(ep)
-        ep.full_shifts = full
         for key, e in ep.by_key.items():
-            if ep.full_held(e.mask):
+            if layout.full_held(e.mask):
                 self._holders[key] = self._holders.get(key, 0) | ep.bit
-            if ep.full_lower(e.mask):
+            if layout.full_lower(e.mask):
                 self._lower[key] = self._lower.get(key, 0) | ep.bit
 
     @staticmethod
@@ -808,8 +710,8 @@ class KVIndex:
     def _sync(self, ep: _EndpointBlocks, key: int, old: int, new: int) -> None:
         """Keep the holder and lower-tier maps in step with a change of an entry's mask."""
         for table, was, now in (
-            (self._holders, ep.full_held(old), ep.full_held(new)),
-            (self._lower, ep.full_lower(old), ep.full_lower(new)),
+            (self._holders, ep.groups.full_held(old), ep.groups.full_held(new)),
+            (self._lower, ep.groups.full_lower(old), ep.groups.full_lower(new)),
         ):
             if now and not was:
                 table[key] = table.get(key, 0) | ep.bit
