@@ -383,11 +383,68 @@ PA_INLINE void scores_tr_bf(const uint32_t *restrict Qt2, const bf_t *const *kp,
             _mm512_storeu_ps(St + tb * TILE_ROWS + 16 * v, _mm512_mul_ps(s[tb][v], sc));
 }
 
+/* A tile's P.V with its rows in the lanes (accT: [D][TILE_ROWS], rows m in lane m): accT[j] =
+ * accT[j] * alpha + sum_t P[t] V[t][j], two tokens per `vdpbf16ps`: P rounded to bf16 (as
+ * torch's bf16 SDPA rounds its probabilities before P.V) and paired with the next token's in
+ * each lane (Pp), V elements paired likewise (Vp, broadcast). An odd last token pairs with
+ * zeros. Pp: [CHUNK / 2][TILE_ROWS], Vp: [CHUNK / 2][D] scratch. */
+PA_INLINE void pv_tr_bf(float *restrict accT, const float *restrict St, const float *alpha,
+                        const bf_t *const *vp, int64_t n, const int MV, const int D,
+                        uint32_t *restrict Pp, uint32_t *restrict Vp)
+{
+    const int64_t np = (n + 1) / 2;
+    for (int64_t u = 0; u < np; u++) {
+        const int two = 2 * u + 1 < n;
+        for (int v = 0; v < MV; v++) {
+            const __m512 p0 = _mm512_loadu_ps(St + 2 * u * TILE_ROWS + 16 * v);
+            const __m512 p1 =
+                two ? _mm512_loadu_ps(St + (2 * u + 1) * TILE_ROWS + 16 * v) : _mm512_setzero_ps();
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
+            _mm512_storeu_si512(Pp + u * TILE_ROWS + 16 * v,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        for (int j = 0; j < D; j += 16) {
+            const __m512i lo =
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vp[2 * u] + j)));
+            const __m512i hi =
+                two ? _mm512_cvtepu16_epi32(
+                          _mm256_loadu_si256((const __m256i *)(vp[2 * u + 1] + j)))
+                    : _mm512_setzero_si512();
+            _mm512_storeu_si512(Vp + u * D + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+    __m512 al[V_MV];
+    for (int v = 0; v < MV; v++)
+        al[v] = _mm512_loadu_ps(alpha + 16 * v);
+    for (int j = 0; j < D; j += 4) {
+        __m512 o[4][V_MV];
+        for (int jj = 0; jj < 4; jj++)
+            for (int v = 0; v < MV; v++)
+                o[jj][v] =
+                    _mm512_mul_ps(_mm512_loadu_ps(accT + (j + jj) * TILE_ROWS + 16 * v), al[v]);
+        for (int64_t u = 0; u < np; u++) {
+            __m512bh p[V_MV];
+            for (int v = 0; v < MV; v++)
+                p[v] = vload_pairs(Pp + u * TILE_ROWS + 16 * v);
+            for (int jj = 0; jj < 4; jj++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)Vp[u * D + j + jj]);
+                for (int v = 0; v < MV; v++)
+                    o[jj][v] = _mm512_dpbf16_ps(o[jj][v], p[v], x);
+            }
+        }
+        for (int jj = 0; jj < 4; jj++)
+            for (int v = 0; v < MV; v++)
+                _mm512_storeu_ps(accT + (j + jj) * TILE_ROWS + 16 * v, o[jj][v]);
+    }
+}
+
 /* tile_transposed for bf16 rows. */
-PA_INLINE void tile_bf(const uint32_t *restrict Qt2, float *restrict acc, float *restrict St,
+PA_INLINE void tile_bf(const uint32_t *restrict Qt2, float *restrict accT, float *restrict St,
                        float *mx, float *sum, const bf_t *const *kp, const bf_t *const *vp,
                        int64_t n, const int64_t *nv, int64_t M, const int ND, float scale,
-                       const char *const *pf, int64_t n_pf, int64_t pf_kv)
+                       const char *const *pf, int64_t n_pf, int64_t pf_kv, uint32_t *Pp,
+                       uint32_t *Vp)
 {
     const int D = ND * VW;
     int64_t t = 0;
@@ -405,19 +462,23 @@ PA_INLINE void tile_bf(const uint32_t *restrict Qt2, float *restrict acc, float 
         PA_SCORES(4)
 #undef PA_SCORES
     }
-    float alpha[TILE_ROWS];
+    float alpha[TILE_ROWS] = {0}; /* lanes past M: 0 (their accumulators are never read) */
     tile_softmax(St, mx, sum, alpha, nv, M, n);
-    const int RMAX = V_RMAX(D);
-    for (int64_t m = 0; m < M; m += RMAX) {
-        const int64_t R = M - m < RMAX ? M - m : RMAX;
-        const int64_t npf = m == 0 ? n_pf : 0;
-        if (R == RMAX)
-            pv_rows_bf(acc + m * D, St + m, 1, TILE_ROWS, alpha + m, vp, n, RMAX, ND, pf, npf,
-                       pf_kv);
-        else
-            for (int64_t r = 0; r < R; r++)
-                pv_rows_bf(acc + (m + r) * D, St + m + r, 1, TILE_ROWS, alpha + m + r, vp, n, 1,
-                           ND, pf, r == 0 ? npf : 0, pf_kv);
+    for (int64_t t = 0; t < n_pf; t++) /* the next chunk, as the widening loop would */
+        for (int j = 0; j < D * 2; j += 64) {
+            __builtin_prefetch(pf[t] + j);
+            __builtin_prefetch(pf[t] + pf_kv + j);
+        }
+    switch ((M + VW - 1) / VW) {
+#define PA_PV(mv)                                                                             \
+    case mv:                                                                                  \
+        pv_tr_bf(accT, St, alpha, vp, n, mv, D, Pp, Vp);                                      \
+        break;
+        PA_PV(1)
+        PA_PV(2)
+        PA_PV(3)
+        PA_PV(4)
+#undef PA_PV
     }
 }
 
@@ -462,9 +523,11 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     const int64_t kv_end = first_pos + it->qn;         /* keys [0, kv_end) */
     const int64_t nh = it->nh, rows = nh * M;            /* rows of head i: [i * M, i * M + M) */
 
+    /* Prefill tiles of 8+ rows: scores with the rows in the lanes (tile_transposed). */
+    const int transposed = vec && nh == 1 && M >= 8;
     float *restrict Q = ws;
     float *restrict acc = Q + rows * D;
-    float *restrict mx = acc + rows * D;
+    float *restrict mx = acc + (transposed ? TILE_ROWS : rows) * D; /* room for tile_bf's accT */
     float *restrict sum = mx + rows;
     float *restrict S = sum + rows;
     float *restrict Kf = S + CHUNK * TILE_ROWS;
@@ -472,8 +535,6 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     float *restrict Qt = Vf + CHUNK * D;
     const float *kp[CHUNK], *vp[CHUNK];
     int64_t nv[TILE_ROWS];
-    /* Prefill tiles of 8+ rows: scores with the rows in the lanes (tile_transposed). */
-    const int transposed = vec && nh == 1 && M >= 8;
 
     for (int64_t m = 0; m < rows; m++) {
         const int64_t i = m % M, tok = q_start + it->q0 + i / G;
@@ -491,6 +552,8 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     ((const bf_t *)(q0 + (((m) % M) / G * a->q_st +                                          \
                           ((it->h0 + (m) / M) * G + (m) % M % G) * a->q_sh) * 2))
     if (transposed && bfp) {
+        for (int64_t j = 0; j < D * TILE_ROWS; j++) /* accT (tile_bf) */
+            acc[j] = 0.0f;
         uint32_t *restrict Qt2 = (uint32_t *)Qt;
         const bf_t *qr[TILE_ROWS];
         for (int64_t m = 0; m < M; m++)
@@ -555,9 +618,10 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
                 for (int64_t t = 0; t < n_next; t++)
                     pf[t] = next[t] + hoff;
                 const int64_t m0 = hh * M;
-                if (transposed) {
+                if (transposed) { /* acc holds accT: [D][TILE_ROWS] */
                     tile_bf((const uint32_t *)Qt, acc, S, mx, sum, kb, vb, n, nv, M,
-                            (int)(D / VW), a->scale, pf, n_next, s_kv);
+                            (int)(D / VW), a->scale, pf, n_next, s_kv, (uint32_t *)Kf,
+                            (uint32_t *)Vf);
                     continue;
                 }
                 for (int64_t i = 0; i < M; i++)
@@ -597,6 +661,14 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
                            vec, pf, pf_in_rows ? n_next : 0, s_kv);
         }
     }
+#if PA_BF16
+    if (transposed && bfp) { /* accT back to rows (through Qt, no longer needed) */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < D; j++)
+                Qt[m * D + j] = acc[j * TILE_ROWS + m];
+        memcpy(acc, Qt, (size_t)(M * D) * sizeof(float));
+    }
+#endif
     for (int64_t m = 0; m < rows; m++) {
         const int64_t i = m % M, tok = q_start + it->q0 + i / G;
         const int64_t head = (it->h0 + m / M) * G + i % G;
