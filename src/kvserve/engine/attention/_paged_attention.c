@@ -27,7 +27,8 @@
  * the raw bf16 query, the scale applied to the score; decode scores 16 keys at a time with one
  * transposing reduction); decode rows widen V in registers for fp32 FMAs with the fp32
  * probabilities, prefill tiles round the probabilities to bf16 (as torch's bf16 SDPA does)
- * and run P.V two tokens per `vdpbf16ps` with the rows in the lanes. The per-item code (_paged_attention_vec.h) is compiled four times from one
+ * and run P.V two tokens per `vdpbf16ps` with the rows in the lanes. The per-item code
+ * (_paged_attention_vec.h) is compiled four times from one
  * source, without -march: AVX-512 with AVX512_BF16 (GCC >= 10), AVX-512 with 16-lane vectors,
  * AVX2+FMA with 8-lane ones (each with its own register budget: one vector width for all
  * lowered 64-byte vectors to 2-4 AVX2 registers and spilled, 2.6x-14x slower) and the
