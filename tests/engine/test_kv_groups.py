@@ -364,3 +364,38 @@ def test_gemma3_groups_preempt_under_a_small_pool(gemma3):
     llm.engine.check_integrity()
     kvm = llm.engine.kv_cache_manager
     assert kvm.get_num_free_blocks() == kvm.num_usable_blocks
+
+
+def test_gemma3_hit_loaded_from_the_host_tier_per_group(gemma3):
+    """Offloading per group: every group stores its chunks, a hit from the host tier loads
+    the full group's chunks and only the sliding groups' window; outputs stay HF-exact."""
+    d, hf = gemma3
+    # Prefill chunks of 200 tokens complete several 64-token offload chunks at once: their
+    # sliding blocks leave the window in the next step, while their stores may still run
+    # (pinned until they end).
+    kw = dict(block_size=16, num_kv_blocks=900, max_num_batched_tokens=200, dtype="float32",
+              debug=True, kv_offload_size=0.05, enable_kv_cache_events=True)  # fmt: skip
+    llm = LLM(d, **kw)
+    eng = llm.engine
+    assert eng.kv_cache_manager.num_groups == 6
+    a = _prompts(31, [260])[0]
+    (out,) = _run(llm, [a], 12)
+    assert out.outputs[0].token_ids == hf.greedy(a, 12)
+    events = eng.take_kv_events()
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert sorted({e.group_idx for e in cpu}) == list(range(6))
+    assert all((e.kv_cache_spec_sliding_window is None) == (e.group_idx == 0) for e in cpu)
+    assert eng.reset_prefix_cache()  # the primary pool forgets: the host tier holds it all
+    b = a[:256] + _prompts(32, [7])[0]
+    before = eng.connector.stats()
+    (out,) = _run(llm, [b], 12)
+    assert out.num_cached_tokens == out.metrics.num_external_cached_tokens == 256
+    assert out.outputs[0].token_ids == hf.greedy(b, 12)
+    after = eng.connector.stats()
+    layer_block = eng.runner.kv_block_bytes()  # one layer per block
+    # Full group: 16 blocks; each sliding group: keys [225, 256) -> blocks 14, 15.
+    assert after.load_bytes - before.load_bytes == (16 + 5 * 2) * layer_block
+    assert after.extra["invalid_chunks"] == before.extra["invalid_chunks"] == 0
+    eng.check_integrity()
+    kvm = eng.kv_cache_manager
+    assert not kvm._pins and kvm.get_num_free_blocks() == kvm.num_usable_blocks

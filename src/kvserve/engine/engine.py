@@ -108,6 +108,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.connector = create_connector(config)
+        bind = getattr(self.connector, "bind_kv_cache_manager", None)
+        if bind is not None:  # a connector that stores and loads per KV cache group
+            bind(self.kv_cache_manager)
         if self.connector is not None:
             self.connector.register_kv_caches(self.kv_cache)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.connector)

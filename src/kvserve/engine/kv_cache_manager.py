@@ -107,12 +107,47 @@ class KVCacheManager:
         # group's tables).
         self.req_to_blocks = self.managers[0].req_to_blocks
         self.num_cached_block = self.managers[0].num_cached_block
+        # References a KV connector holds on blocks it still reads (block id -> count).
+        self._pins: dict[int, int] = {}
+        self.sliding_hold_tokens = 0
         if max_model_len is None:
             max_model_len = self.max_num_tokens
         self.max_model_len = max_model_len
         self.prefix_cache_stats = PrefixCacheStats()
         # Lookups waiting for their admission to succeed: request_id -> (queried, hit) tokens.
         self._pending_stats: dict[str, tuple[int, int]] = {}
+
+    def set_sliding_hold(self, tokens: int) -> None:
+        """Sliding-window groups free blocks only in whole runs of ``tokens`` (a multiple of
+        the block size: an offload chunk), once the run is complete: its store is planned
+        while every block of it is still in the table."""
+        if tokens % self.block_size:
+            raise ValueError("the hold must be a multiple of the block size")
+        self.sliding_hold_tokens = tokens
+        for m in self.sliding_managers:
+            m.hold_blocks = tokens // self.block_size
+
+    def pin_blocks(self, block_ids: list[int]) -> None:
+        """Take a reference on blocks a connector still reads (a store in flight): freed by
+        their tables (a window moving on) they stay allocated until :meth:`unpin_blocks`."""
+        blocks = self.block_pool.blocks
+        self.block_pool.touch(blocks[i] for i in block_ids)
+        pins = self._pins
+        for i in block_ids:
+            pins[i] = pins.get(i, 0) + 1
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        blocks = self.block_pool.blocks
+        pins = self._pins
+        for i in block_ids:
+            n = pins.get(i, 0)
+            if n <= 0:
+                raise AssertionError(f"unpinning block {i}, which is not pinned")
+            if n == 1:
+                del pins[i]
+            else:
+                pins[i] = n - 1
+        self.block_pool.free_blocks(blocks[i] for i in block_ids)
 
     # -- capacity -------------------------------------------------------------------------
     @property
@@ -122,7 +157,7 @@ class KVCacheManager:
     def max_blocks_for(self, num_tokens: int) -> int:
         """Most blocks (all groups) one request of ``num_tokens`` tokens holds at once."""
         bs = self.block_size
-        chunk = self.max_num_batched_tokens or num_tokens
+        chunk = (self.max_num_batched_tokens or num_tokens) + self.sliding_hold_tokens
         return sum(g.spec.max_blocks(num_tokens, bs, chunk) for g in self.kv_cache_groups)
 
     @property
@@ -268,14 +303,18 @@ class KVCacheManager:
             for m in self.sliding_managers:
                 m.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        empty: list[KVCacheBlock] = []
-        need = 0
-        for i, m in enumerate(managers):
-            new, hits = m.get_num_blocks_to_allocate(
-                rid, num_slots, computed[i] if computed is not None else empty, num_computed
-            )
-            need += new + hits
-        if need > self.block_pool.get_num_free_blocks():
+        if computed is None and self.num_groups == 1:  # a running request's next tokens
+            table = self.req_to_blocks.get(rid)
+            need = cdiv(num_slots, self.block_size) - (len(table) if table else 0)
+        else:
+            empty: list[KVCacheBlock] = []
+            need = 0
+            for i, m in enumerate(managers):
+                new, hits = m.get_num_blocks_to_allocate(
+                    rid, num_slots, computed[i] if computed is not None else empty, num_computed
+                )
+                need += new + hits
+        if need > 0 and need > self.block_pool.get_num_free_blocks():
             return None
 
         if computed is not None:
@@ -352,7 +391,7 @@ class KVCacheManager:
         every group has a table for the same requests, and a sliding group's null entries
         are a prefix of its table."""
         self.block_pool.check_integrity()
-        refs: dict[int, int] = {}
+        refs: dict[int, int] = dict(self._pins)
         rids = set(self.req_to_blocks)
         for m in self.managers:
             if set(m.req_to_blocks) != rids:
@@ -372,5 +411,5 @@ class KVCacheManager:
             if block.ref_cnt != refs.get(block.block_id, 0):
                 raise AssertionError(
                     f"{block}: ref count {block.ref_cnt} but {refs.get(block.block_id, 0)} "
-                    "block tables hold it"
+                    "block tables and pins hold it"
                 )

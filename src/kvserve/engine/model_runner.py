@@ -112,9 +112,12 @@ class ModelRunner:
 
     def _make_kv_cache_groups(self) -> list[KVCacheGroupSpec]:
         """The model's KV cache groups (one when ``kv_groups`` is off or a KV connector that
-        moves whole blocks of every layer is configured), bound to its attention layers."""
-        enable = self.config.kv_groups
-        if enable and self.config.kv_connector:
+        moves whole blocks of every layer is configured: P/D, storage tiers; the offload
+        connector's host tier moves them per group), bound to its attention layers."""
+        cfg = self.config
+        enable = cfg.kv_groups
+        per_group = cfg.kv_connector == "offload" and not (cfg.kv_tier or cfg.kv_tiers_config)
+        if enable and cfg.kv_connector and not per_group:
             groups = make_kv_cache_groups(self.model_config, enable=True)
             if len(groups) > 1:
                 logger.warning(

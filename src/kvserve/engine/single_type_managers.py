@@ -66,6 +66,8 @@ class SingleTypeKVCacheManager:
         num_held = (len(held) if held else 0) + len(computed)
         skip = self.num_skipped_blocks(num_computed)
         new = max(cdiv(num_slots, self.block_size) - max(num_held, skip), 0)
+        if not computed:
+            return new, 0
         hits = sum(1 for i, b in enumerate(computed) if b.ref_cnt == 0 and i >= skip)
         return new, hits
 
@@ -137,6 +139,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
     def __init__(self, spec: SlidingWindowSpec, group_idx: int, pool: BlockPool) -> None:
         super().__init__(spec, group_idx, pool)
         self.window = spec.window
+        # Blocks are freed only in whole runs of ``hold_blocks`` (an offload chunk): a chunk's
+        # blocks stay until it is complete and its store was planned (0: no such hold).
+        self.hold_blocks = 0
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.window + 1) // self.block_size
@@ -168,6 +173,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not blocks:
             return
         skip = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+        if self.hold_blocks:
+            k = self.hold_blocks
+            skip = min(skip, num_computed_tokens // (k * self.block_size) * k)
         null = self.null_block
         freed: list[KVCacheBlock] = []
         # Walk back from the last skipped block to the first one already null.

@@ -76,6 +76,10 @@ class AttentionMetadata:
     _windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
     # Several KV cache groups: every group's metadata (this one is group 0's); else empty.
     groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
+    # Window views by window, shared by every group's metadata of the step: another group's
+    # view of the same window reuses its block indices and masks (only tables differ).
+    _shared_windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False)
+    _window_idx: torch.Tensor | None = field(default=None, repr=False)  # decode gather index
 
     def for_group(self, group_idx: int) -> AttentionMetadata:
         """The metadata of KV cache group ``group_idx`` (``self`` for group 0)."""
@@ -139,6 +143,25 @@ class AttentionMetadata:
             self, prefills=[], backend_state={}, _windows={}, window=window, groups=[]
         )
         nd = self.num_decodes
+        tmpl = self._shared_windows.get(window)
+        if tmpl is not None:  # another group's view: the same positions in our tables
+            if nd:
+                idx = tmpl._window_idx
+                view.decode_block_ids = self.decode_block_tables.gather(1, idx).reshape(-1)
+                view.decode_max_blocks, view._window_idx = tmpl.decode_max_blocks, idx
+                view.decode_kv_offset, view.decode_kv_len = (
+                    tmpl.decode_kv_offset,
+                    tmpl.decode_kv_len,
+                )
+                view.decode_mask = tmpl.decode_mask
+            for p, tp in zip(self.prefills, tmpl.prefills, strict=True):
+                if p.seq_len <= window:
+                    view.prefills.append(p)
+                    continue
+                table = p.block_table if p.num_computed == 0 else p.block_table[tp.kv_start // bs :]
+                view.prefills.append(dataclasses.replace(tp, block_table=table))
+            return view
+        self._shared_windows[window] = view
         if nd:
             dev = self.decode_block_ids.device
             lens = self.seq_lens[:nd]
@@ -146,7 +169,7 @@ class AttentionMetadata:
             first = [s // bs for s in starts]
             nblocks = max(-(-n // bs) - f for n, f in zip(lens, first, strict=True))
             idx = torch.tensor(first)[:, None] + torch.arange(nblocks)[None, :]
-            idx = idx.clamp_(max=self.decode_max_blocks - 1).to(dev)
+            idx = view._window_idx = idx.clamp_(max=self.decode_max_blocks - 1).to(dev)
             view.decode_block_ids = self.decode_block_tables.gather(1, idx).reshape(-1)
             view.decode_max_blocks = nblocks
             offs = [s - f * bs for s, f in zip(starts, first, strict=True)]
@@ -285,6 +308,9 @@ class AttentionMetadata:
                     f"block table of {len(table)} blocks too short for {seq_len} tokens"
                 )
             pos = seq_len - (starts[i + 1] - starts[i])
+            if i < nd:
+                slots.append(table[pos // bs] * bs + pos % bs)
+                continue
             while pos < seq_len:
                 off = pos % bs
                 take = min(bs - off, seq_len - pos)

@@ -39,6 +39,16 @@ _FIXED = struct.Struct(
 _MAX_LAYOUT = HEADER_BYTES - _FIXED.size
 
 
+def group_chunk_key(key: bytes, group_idx: int) -> bytes:
+    """The key of a chunk of KV cache group ``group_idx`` (hybrid models keep one chunk per
+    group and prefix chunk): group 0's is the chunk key itself (models with one group store
+    what they always did), another group's a SHA-256 of the group and the key, so every tier,
+    header and event tells the groups apart."""
+    if group_idx == 0:
+        return key
+    return hashlib.sha256(b"kvserve-kv-group:%d:" % group_idx + key).digest()
+
+
 def payload_digest(payload: memoryview | bytes) -> bytes:
     """Full-content hash of a chunk payload (xxh3-128, 16 bytes)."""
     return xxhash.xxh3_128_digest(payload)

@@ -30,6 +30,15 @@ are reused, and reports finished jobs. A chunk that fails verification on load i
 the tier and its blocks (and the following ones of that load) are reported in
 ``invalid_block_ids``: the request recomputes them, the output never changes.
 
+KV cache groups (hybrid models, :mod:`kvserve.engine.kv_cache_spec`): every group stores its
+own chunks (keys :func:`~kvserve.kv.backends.chunk_format.group_chunk_key`, events with the
+group); a lookup hits where the full-attention groups hold every chunk and each sliding-window
+group the chunks covering the window before the hit point, and a load reads only those for a
+sliding group (its blocks before the window are the null block). A sliding group's blocks
+are freed by the window only in whole chunks, once the chunk is complete and its store planned;
+a store pins the sliding blocks it reads until it ends. Storage tiers still move every layer:
+with them (and with P/D) a hybrid model keeps one group.
+
 Both halves run in the engine's process and share this object; job completions are applied
 to the manager in :meth:`get_finished` (the engine calls it every step). Before that, a step
 that computed nothing (only transfers in flight) calls :meth:`wait_for_transfers`, which sleeps
@@ -51,7 +60,7 @@ from kvserve.config import GiB
 from kvserve.engine.hashing import block_extra_keys, hash_to_int
 from kvserve.kv.backends import create_backend
 from kvserve.kv.backends.base import ChunkLayout
-from kvserve.kv.backends.chunk_format import ChunkCodec, fingerprint_model_dir
+from kvserve.kv.backends.chunk_format import ChunkCodec, fingerprint_model_dir, group_chunk_key
 from kvserve.kv.backends.storage import StorageBackend, load_tier_specs
 from kvserve.kv.connector import (
     KVConnectorBase,
@@ -69,6 +78,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import EngineConfig
+    from kvserve.engine.kv_cache_manager import KVCacheManager
     from kvserve.engine.outputs import SchedulerOutput
     from kvserve.engine.request import Request
     from kvserve.kv.events import AnyKVEvent
@@ -118,6 +128,8 @@ class _JobRecord:
     cancelled: bool = False  # the request ended while its chunks were staged
     # A store job carries every chunk one step completes, of these requests.
     store_reqs: list[str] = field(default_factory=list)
+    # Sliding-window blocks the store pins (released when it ends).
+    pinned: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -209,6 +221,19 @@ class OffloadingConnector(KVConnectorBase):
         # Block hashes of chunks in private storage tiers (for BlockRemoved on eviction).
         self._tier_blocks: list[dict[bytes, list[int]]] = []
         self._pause_writes = False  # kv_tier_write_pause (set with the storage worker)
+        # KV cache groups (bind_kv_cache_manager): the window of each (None: full attention).
+        self.kvm: KVCacheManager | None = None
+        self.group_windows: list[int | None] = [None]
+
+    def bind_kv_cache_manager(self, kvm: KVCacheManager) -> None:
+        """The engine's KV cache manager: its groups (stores and loads per group), its block
+        tables, pins on the sliding-window blocks a store reads."""
+        self.kvm = kvm
+        self.group_windows = [g.spec.sliding_window for g in kvm.kv_cache_groups]
+        if len(self.group_windows) > 1:
+            if self.tier_specs:
+                raise ValueError("storage tiers move every layer: use one KV cache group")
+            kvm.set_sliding_hold(self.chunk_tokens)
 
     # ================================ worker side: setup =================================
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
@@ -273,10 +298,35 @@ class OffloadingConnector(KVConnectorBase):
             raise RuntimeError("register_kv_caches() must be called before using the connector")
         return self.manager
 
-    def _chunk_keys(self, request: Request, first: int, end: int) -> list[bytes]:
+    def _chunk_keys(self, request: Request, first: int, end: int, group: int = 0) -> list[bytes]:
         k = self.blocks_per_chunk
         hashes = request.block_hashes
+        if group:
+            return [group_chunk_key(hashes[(i + 1) * k - 1], group) for i in range(first, end)]
         return [hashes[(i + 1) * k - 1] for i in range(first, end)]
+
+    def _group_hits(self, request: Request, first: int, end: int) -> int:
+        """Chunks from ``first`` every KV cache group can load: the full-attention groups'
+        leading run, shortened until each sliding group holds the chunks covering its window
+        before the hit point (``min(end * chunk_tokens, num_tokens - 1)``)."""
+        mgr = self._mgr()
+        ct = self.chunk_tokens
+        for g, window in enumerate(self.group_windows):
+            if window is None and end > first:
+                end = first + mgr.lookup(self._chunk_keys(request, first, end, g))
+        while end > first:
+            hit = min(end * ct, request.num_tokens - 1)
+            for g, window in enumerate(self.group_windows):
+                if window is not None:
+                    keys = self._chunk_keys(
+                        request, max(first, (hit - window + 1) // ct), -(-hit // ct), g
+                    )
+                    if mgr.lookup(keys) < len(keys):
+                        break
+            else:
+                return end - first
+            end -= 1
+        return 0
 
     # ================================ scheduler side =====================================
     def get_num_new_matched_tokens(
@@ -296,9 +346,13 @@ class OffloadingConnector(KVConnectorBase):
             return 0, False
         # Only chunks that end before the last prompt token can be used.
         n_usable = min(n_chunks, (request.num_tokens - 1) // self.chunk_tokens + 1)
-        keys = self._chunk_keys(request, first, n_usable)
-        hits = self._mgr().lookup(keys)
         sources: list[int] = []
+        if len(self.group_windows) > 1:
+            hits = self._group_hits(request, first, n_usable)
+            keys = []
+        else:
+            keys = self._chunk_keys(request, first, n_usable)
+            hits = self._mgr().lookup(keys)
         if self.storage is not None and hits < len(keys):
             lower = self._tier_lookup(rid, first + hits, keys[hits:])
             if lower is None:
@@ -379,6 +433,9 @@ class OffloadingConnector(KVConnectorBase):
         start_block = num_computed // bs
         end_block = -(-(num_computed + num_external_tokens) // bs)
         first, last = start_block // k, (end_block - 1) // k
+        if len(self.group_windows) > 1:
+            self._group_load(request, st, first, last, start_block, end_block)
+            return
         keys = self._chunk_keys(request, first, last + 1)
         mgr = self._mgr()
         # Host hits cannot shrink within one schedule(); guard anyway.
@@ -425,6 +482,39 @@ class OffloadingConnector(KVConnectorBase):
             self._loads_to_start.append(job)
         st.load_job = job.job_id
 
+    def _group_load(
+        self, request: Request, st: _RequestState, first: int, last: int, b_start: int, b_end: int
+    ) -> None:
+        """The load of blocks ``b_start .. b_end - 1`` (chunks ``first .. last``) in every KV
+        cache group: a sliding group's blocks the window dropped (the null block) are not
+        read; a chunk gone since the lookup has its blocks recomputed."""
+        assert self.kvm is not None
+        rid, k = request.request_id, self.blocks_per_chunk
+        mgr = self._mgr()
+        want: list[tuple[bytes, list[int], int]] = []
+        missing: list[int] = []
+        for g, table in enumerate(self.kvm.get_group_block_ids(rid)):
+            keys = self._chunk_keys(request, first, last + 1, g)
+            for key, i in zip(keys, range(first, last + 1), strict=True):
+                b0, b1 = max(b_start, i * k), min(b_end, (i + 1) * k)
+                while b0 < b1 and table[b0] == 0:  # before the window
+                    b0 += 1
+                if b0 == b1:
+                    continue
+                if mgr.lookup([key]):
+                    want.append((key, table[b0:b1], b0 - i * k))
+                else:
+                    missing.extend(table[b0:b1])
+        spec = mgr.prepare_load([w[0] for w in want])
+        chunks = [
+            ChunkCopy(slot, key, ids, offset)
+            for slot, (key, ids, offset) in zip(spec.slots, want, strict=True)
+        ]
+        job = TransferJob(next(self._job_ids), is_store=False, chunks=chunks)
+        self._jobs[job.job_id] = _JobRecord(job, rid, missing)
+        self._loads_to_start.append(job)
+        st.load_job = job.job_id
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
         meta = OffloadConnectorMetadata(loads=self._loads_to_start, reads=self._reads_to_start)
         self._loads_to_start, self._reads_to_start = [], []
@@ -454,12 +544,18 @@ class OffloadingConnector(KVConnectorBase):
             return meta
         chunks: list[ChunkCopy] = []
         store_reqs: list[str] = []
+        pins: list[int] = []
         for rid, request in check.items():
-            if self._plan_store(rid, request, num_scheduled.get(rid), scheduler_output, chunks):
+            if self._plan_store(
+                rid, request, num_scheduled.get(rid), scheduler_output, chunks, pins
+            ):
                 store_reqs.append(rid)
         if chunks:  # one job for the step: one submission, one batch of copies
             job = TransferJob(next(self._job_ids), is_store=True, chunks=chunks)
-            self._jobs[job.job_id] = _JobRecord(job, "", store_reqs=store_reqs)
+            if pins:
+                assert self.kvm is not None
+                self.kvm.pin_blocks(pins)
+            self._jobs[job.job_id] = _JobRecord(job, "", store_reqs=store_reqs, pinned=pins)
             self._store_chunks_pending += len(chunks)
             for rid in store_reqs:
                 self._reqs[rid].store_jobs.add(job.job_id)
@@ -477,10 +573,12 @@ class OffloadingConnector(KVConnectorBase):
         n_new: int | None,
         scheduler_output: SchedulerOutput,
         chunks: list[ChunkCopy],
+        pins: list[int],
     ) -> bool:
         """Reserve the chunks ``request`` completes this step (``n_new`` tokens scheduled,
-        None: not scheduled) and append their copies to ``chunks`` (True if any); set when to
-        look at the request again."""
+        None: not scheduled) and append their copies to ``chunks`` (True if any; the
+        sliding-window blocks they read to ``pins``); set when to look at the request
+        again."""
         st = self._reqs.get(rid)
         if st is None:
             st = self._reqs[rid] = _RequestState(request)
@@ -497,7 +595,12 @@ class OffloadingConnector(KVConnectorBase):
         job = False
         if n_new and n_full > st.next_store_chunk:
             first, st.next_store_chunk = st.next_store_chunk, n_full
-            job = self._reserve_store(rid, request, first, n_full, scheduler_output, chunks)
+            if len(self.group_windows) > 1:
+                job = self._reserve_group_store(
+                    rid, request, first, n_full, scheduler_output, chunks, pins
+                )
+            else:
+                job = self._reserve_store(rid, request, first, n_full, scheduler_output, chunks)
         # The next chunk fills after ``next_boundary - done`` more tokens: at one token per
         # step (a decode), that many steps from now; sooner only by computing more than one
         # token in a step, which build_connector_meta catches on its own.
@@ -545,6 +648,45 @@ class OffloadingConnector(KVConnectorBase):
             )
         return len(chunks) > n
 
+    def _reserve_group_store(
+        self,
+        rid: str,
+        request: Request,
+        first: int,
+        end: int,
+        scheduler_output: SchedulerOutput,
+        chunks: list[ChunkCopy],
+        pins: list[int],
+    ) -> bool:
+        """:meth:`_reserve_store` for every KV cache group: each group's chunks under its own
+        keys; a sliding group's chunk only while the window still holds all its blocks."""
+        if self._store_chunks_pending > self.max_pending_store_chunks:
+            self._counts["dropped_store_chunks"] += end - first
+            return False
+        k = self.blocks_per_chunk
+        mgr = self._mgr()
+        n = len(chunks)
+        for g, table in enumerate(scheduler_output.group_block_ids[rid]):
+            ids_of: dict[bytes, list[int]] = {}
+            metas: list[ChunkMeta] | None = [] if self.emit_events else None
+            for key, i in zip(
+                self._chunk_keys(request, first, end, g), range(first, end), strict=True
+            ):
+                ids = table[i * k : (i + 1) * k]
+                if len(ids) == k and 0 not in ids:
+                    ids_of[key] = ids
+                    if metas is not None:
+                        metas.append(self._chunk_meta(request, i, g))
+            out = mgr.prepare_store(list(ids_of), metas) if ids_of else None
+            if out is None:
+                continue
+            sliding = self.group_windows[g] is not None
+            for key, slot in zip(out.keys_to_store, out.slots, strict=True):
+                chunks.append(ChunkCopy(slot, key, ids_of[key]))
+                if sliding:
+                    pins.extend(ids_of[key])
+        return len(chunks) > n
+
     def _spill(
         self, key: bytes, meta: ChunkMeta | None, block_ids: list[int], chunks: list[ChunkCopy]
     ) -> None:
@@ -558,7 +700,7 @@ class OffloadingConnector(KVConnectorBase):
         self._counts["tier_spilled_chunks"] += 1
         chunks.append(ChunkCopy(slot, key, block_ids))
 
-    def _chunk_meta(self, request: Request, i: int) -> ChunkMeta:
+    def _chunk_meta(self, request: Request, i: int, group: int = 0) -> ChunkMeta:
         k, bs = self.blocks_per_chunk, self.block_size
         b0 = i * k
         hashes = request.block_hashes
@@ -571,6 +713,9 @@ class OffloadingConnector(KVConnectorBase):
             token_ids=list(request.all_token_ids[b0 * bs : (b0 + k) * bs]),
             extra_keys=extra if any(e is not None for e in extra) else None,
             lora_name=request.lora_name,
+            group_idx=group,
+            kv_cache_spec_kind="sliding_window" if self.group_windows[group] else "full_attention",
+            kv_cache_spec_sliding_window=self.group_windows[group],
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
@@ -747,6 +892,9 @@ class OffloadingConnector(KVConnectorBase):
                         keys = [c.key for c in job.chunks if c.slot < self.tier.num_slots]
                         self._write_spilled(spilled, res.ok)
                 mgr.complete_store(keys, success=res.ok)
+                if rec.pinned:
+                    assert self.kvm is not None
+                    self.kvm.unpin_blocks(rec.pinned)
                 if res.ok and self.storage is not None and keys:
                     self._cascade(keys)
                 self._stats.store_bytes += res.nbytes

@@ -35,6 +35,10 @@ class ChunkMeta:
     token_ids: list[int]
     extra_keys: list | None = None  # per block: None or that block's extra hash keys
     lora_name: str | None = None
+    # The KV cache group of the chunk (hybrid models: one chunk per group), as in events.
+    group_idx: int = 0
+    kv_cache_spec_kind: str = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass
@@ -285,7 +289,11 @@ class OffloadingManager:
         self.backend.free_slots([e.slot])
         if removed and self.emit_events and e.meta is not None:
             self._events.append(
-                BlockRemoved(block_hashes=list(e.meta.block_hashes), medium=self.medium)
+                BlockRemoved(
+                    block_hashes=list(e.meta.block_hashes),
+                    medium=self.medium,
+                    group_idx=e.meta.group_idx,
+                )
             )
 
     def _emit_stored(self, entries: list[_Entry]) -> None:
@@ -299,6 +307,7 @@ class OffloadingManager:
             if (
                 event is not None
                 and event.lora_name == m.lora_name
+                and event.group_idx == m.group_idx
                 and m.parent_block_hash == event.block_hashes[-1]
             ):
                 event.block_hashes.extend(m.block_hashes)
@@ -315,6 +324,9 @@ class OffloadingManager:
                 medium=self.medium,
                 lora_name=m.lora_name,
                 extra_keys=list(extra),
+                group_idx=m.group_idx,
+                kv_cache_spec_kind=m.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=m.kv_cache_spec_sliding_window,
             )
         if event is not None:
             self._events.append(_finish_extra(event))

@@ -1,0 +1,309 @@
+"""KV cache groups on a hybrid model: how many long requests fit, groups vs one group.
+
+The ``tiny-gemma3`` preset (6 layers: 5 sliding-window layers of window 32, 1 full-attention
+layer; fp32, CPU). Both setups get the same KV memory (bytes): with ``kv_groups`` on a block
+holds one layer (6 groups: the full layer's, and one per sliding layer, whose requests keep
+only their window), off it holds all 6 layers of every token (``--no-kv-groups``).
+
+Capacity: ``--requests`` (1.5x the predicted capacity) requests of a fixed prompt length
+(``--prompt-len`` tokens, distinct, no prefix sharing), each decoding ``--output-len``
+tokens, submitted at once; the capacity is the most requests that held at least
+``prompt_len`` tokens of KV at the same time (counted after every step of a real engine run:
+requests wait, run, are preempted and finish as the scheduler decides). The layer mix
+predicts it: a request of n tokens holds ``num_layers * cdiv(n, bs)`` layer-blocks in one
+group, and ``num_full_layers * cdiv(n, bs) + num_sliding_layers * (cdiv(W - 1, bs) + 1)``
+with groups (n between ``prompt_len`` and ``prompt_len + output_len``: the ratio is taken at
+the middle); the goal is the measured ratio within 10% of the predicted one.
+
+Host-tier loads (offloading per group): a ``--load-prompt-len`` (1920) token prompt is served
+once (its chunks stored in the host tier), the primary pool's prefix cache is reset, and the
+same prompt plus one token is served again: its KV comes back from the host tier. With groups
+the load reads the full-attention layer's chunks and only the window of each sliding layer;
+without, every layer of every chunk. Load time (the transfer job: copies and checksum
+verification) and TTFT, per-group vs every layer, interleaved, ``--load-reps`` times each;
+goal >= 1.5x.
+
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_kv_groups.py
+    .venv/bin/python benchmarks/bench_kv_groups.py --quick      # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E402
+from kvserve.config import GiB  # noqa: E402
+from kvserve.engine.kv_cache_spec import cdiv  # noqa: E402
+from kvserve.model.presets import make_model  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BS = 16
+
+
+def make_llm(model: str, groups: bool, kv_bytes: int, args: argparse.Namespace) -> LLM:
+    return LLM(
+        model,
+        block_size=BS,
+        kv_cache_memory=kv_bytes / GiB,
+        kv_groups=groups,
+        max_num_seqs=1024,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        dtype="float32",
+        num_threads=1,
+    )
+
+
+def serve(llm: LLM, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Serve ``n`` requests submitted at once; count, after every step, the running requests
+    holding at least ``prompt_len`` tokens of KV."""
+    eng = llm.engine
+    rng = random.Random(0)
+    vocab = eng.runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        prompt = [0] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)]
+        eng.add_request(None, prompt, params)
+    t0 = time.perf_counter()
+    peak = steps = 0
+    held: list[int] = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        k = sum(r.num_computed_tokens >= args.prompt_len for r in eng.scheduler.running)
+        held.append(k)
+        peak = max(peak, k)
+    seconds = time.perf_counter() - t0
+    eng.check_integrity()
+    return {
+        "requests": n,
+        "capacity": peak,
+        "preemptions": eng.scheduler.num_preemptions,
+        "steps": steps,
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(n * (args.prompt_len + args.output_len) / seconds, 1),
+        "held_per_step": held,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = str(make_model(Path(tempfile.mkdtemp()), "tiny-gemma3"))
+    probe = make_llm(model, False, 1 << 22, args)
+    mc = probe.engine.runner.model_config
+    layer_block_bytes = probe.engine.runner.kv_block_bytes() // mc.num_hidden_layers
+    del probe
+    window = mc.sliding_window
+    num_layers = mc.num_hidden_layers
+    num_sliding = sum(mc.layer_window(i) is not None for i in range(num_layers))
+    num_full = num_layers - num_sliding
+
+    def per_request(n_tokens: int) -> dict[str, int]:
+        blocks = cdiv(n_tokens, BS)
+        on = num_full * blocks + num_sliding * (cdiv(window - 1, BS) + 1)
+        return {"off": num_layers * blocks, "on": on}
+
+    lo, hi = args.prompt_len, args.prompt_len + args.output_len
+    mid = per_request((lo + hi) // 2)
+    # Memory for args.requests_off requests (at the middle length) without groups.
+    kv_bytes = (args.requests_off * mid["off"] + num_layers) * layer_block_bytes
+    units = kv_bytes // layer_block_bytes - num_layers  # usable layer-blocks (off's null block)
+    predicted = {
+        name: {"at_prompt_len": units // per_request(lo)[name],
+               "at_middle": units // mid[name],
+               "at_full_len": units // per_request(hi)[name]}
+        for name in ("off", "on")
+    }  # fmt: skip
+    result: dict[str, Any] = {
+        "model": "tiny-gemma3 (6 layers: 5 sliding W=32, 1 full; fp32)",
+        "prompt_len": lo,
+        "output_len": args.output_len,
+        "block_size": BS,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_bytes": kv_bytes,
+        "per_request_layer_blocks_at_middle": mid,
+        "predicted": predicted,
+        "predicted_ratio_layer_mix": round(mid["off"] / mid["on"], 3),
+    }
+    loads = [os.getloadavg()[0]]
+    measured = {}
+    for groups in (False, True):
+        name = "on" if groups else "off"
+        llm = make_llm(model, groups, kv_bytes, args)
+        eng = llm.engine
+        n = max(2, int(predicted[name]["at_middle"] * 1.5))
+        print(f"kv_groups {name}: {eng.num_kv_blocks} blocks of {eng.runner.kv_block_bytes()} B, "
+              f"{n} requests", flush=True)  # fmt: skip
+        m = serve(llm, n, args)
+        m.update(num_blocks=eng.num_kv_blocks, block_bytes=eng.runner.kv_block_bytes())
+        print({k: v for k, v in m.items() if k != "held_per_step"}, flush=True)
+        measured[name] = m
+        loads.append(os.getloadavg()[0])
+        del llm, eng
+    result["measured"] = measured
+    ratio = measured["on"]["capacity"] / max(1, measured["off"]["capacity"])
+    result["measured_ratio"] = round(ratio, 3)
+    result["ratio_vs_prediction"] = round(ratio / result["predicted_ratio_layer_mix"], 3)
+    result["goal_met"] = abs(result["ratio_vs_prediction"] - 1) <= 0.10
+    if args.load_reps:
+        result["loads"] = measure_loads(model, args)
+        print({k: v for k, v in result["loads"].items() if k not in ("on", "off")}, flush=True)
+        loads.append(os.getloadavg()[0])
+    result["loadavg"] = loads
+    result["machine"] = describe_machine()
+    return result
+
+
+def measure_loads(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Host-tier load of a long prompt, groups on vs off, interleaved."""
+    llms = {
+        name: LLM(model, block_size=BS, num_kv_blocks=args.load_blocks[name], kv_groups=on,
+                  kv_offload_size=0.25, dtype="float32", num_threads=1,
+                  max_num_batched_tokens=2048)
+        for name, on in (("on", True), ("off", False))
+    }  # fmt: skip
+    rng = random.Random(7)
+    vocab = llms["on"].engine.runner.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    for rep_i in range(args.load_reps):
+        prompt = [0] + [rng.randrange(3, vocab) for _ in range(args.load_prompt_len - 1)]
+        again = prompt + [rng.randrange(3, vocab)]
+        for name in ("on", "off") if rep_i % 2 == 0 else ("off", "on"):
+            llm = llms[name]
+            eng = llm.engine
+            llm.generate([prompt], params)
+            while eng.scheduler.has_requests():  # stores end, held blocks are freed
+                eng.step()
+            assert eng.reset_prefix_cache()
+            before = eng.connector.stats()
+            (out,) = llm.generate([again], params)
+            after = eng.connector.stats()
+            assert out.metrics.num_external_cached_tokens == args.load_prompt_len
+            m = out.metrics
+            rows[name].append(
+                {
+                    "load_s": after.load_time_s - before.load_time_s,
+                    "load_bytes": after.load_bytes - before.load_bytes,
+                    "ttft_s": m.first_token_time - m.arrival_time,
+                }
+            )
+    out: dict[str, Any] = {"prompt_len": args.load_prompt_len, "reps": args.load_reps}
+    for name, r in rows.items():
+        out[name] = {
+            "load_ms_median": round(1e3 * statistics.median(x["load_s"] for x in r), 3),
+            "ttft_ms_median": round(1e3 * statistics.median(x["ttft_s"] for x in r), 2),
+            "load_mib": round(r[0]["load_bytes"] / (1 << 20), 3),
+            "rows": r,
+        }
+    out["load_time_ratio"] = round(out["off"]["load_ms_median"] / out["on"]["load_ms_median"], 2)
+    out["load_bytes_ratio"] = round(out["off"]["load_mib"] / out["on"]["load_mib"], 2)
+    out["ttft_ratio"] = round(out["off"]["ttft_ms_median"] / out["on"]["ttft_ms_median"], 2)
+    out["goal_met"] = out["load_time_ratio"] >= 1.5
+    return out
+
+
+def report(r: dict[str, Any]) -> str:
+    m = r["measured"]
+    p = r["predicted"]
+    lines = [
+        "# KV cache groups: capacity on a hybrid model (benchmarks/bench_kv_groups.py)",
+        "",
+        f"Model: {r['model']}; requests of {r['prompt_len']} prompt + {r['output_len']} "
+        f"output tokens (distinct, no prefix cache), block size {r['block_size']}, "
+        f"max_num_batched_tokens {r['max_num_batched_tokens']}; the same KV memory "
+        f"({r['kv_bytes'] / (1 << 20):.2f} MiB) in both setups. Capacity: the most requests "
+        f"holding >= {r['prompt_len']} tokens of KV at once (after any step of the run).",
+        "",
+        "| setup | blocks x bytes | requests | predicted (at prompt / middle / full length) "
+        "| measured | preemptions | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, label in (("off", "one group (--no-kv-groups)"), ("on", "KV groups (default)")):
+        q = p[name]
+        lines.append(
+            f"| {label} | {m[name]['num_blocks']} x {m[name]['block_bytes']} | "
+            f"{m[name]['requests']} | {q['at_prompt_len']} / {q['at_middle']} / "
+            f"{q['at_full_len']} | **{m[name]['capacity']}** | {m[name]['preemptions']} | "
+            f"{m[name]['tokens_per_s']} |"
+        )
+    lines += [
+        "",
+        f"Capacity ratio groups / one group: **{r['measured_ratio']}x** measured, "
+        f"{r['predicted_ratio_layer_mix']}x predicted by the layer mix at the middle length "
+        f"(measured / predicted = {r['ratio_vs_prediction']}; goal within 10%: "
+        f"{'met' if r['goal_met'] else 'not met'}).",
+        "",
+    ]
+    ld = r.get("loads")
+    if ld:
+        lines += [
+            f"## Host-tier load of a {ld['prompt_len']}-token prompt (median of {ld['reps']}, "
+            "interleaved)",
+            "",
+            "| setup | MiB loaded | load (ms) | TTFT (ms) |",
+            "|---|---|---|---|",
+            f"| every layer (--no-kv-groups) | {ld['off']['load_mib']} | "
+            f"{ld['off']['load_ms_median']} | {ld['off']['ttft_ms_median']} |",
+            f"| per group (default) | {ld['on']['load_mib']} | {ld['on']['load_ms_median']} | "
+            f"{ld['on']['ttft_ms_median']} |",
+            "",
+            f"Load time every layer / per group: **{ld['load_time_ratio']}x** (bytes "
+            f"{ld['load_bytes_ratio']}x, TTFT {ld['ttft_ratio']}x); goal >= 1.5x: "
+            f"{'met' if ld['goal_met'] else 'not met'}.",
+            "",
+        ]
+    lines += [
+        f"Load average during the run: {r['loadavg']}",
+        "",
+        "## Machine",
+        "",
+        machine_markdown(r["machine"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument(
+        "--requests-off", type=int, default=16, help="requests the memory holds without groups"
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--load-prompt-len", type=int, default=1920)
+    p.add_argument("--load-reps", type=int, default=15, help="0: skip the load part")
+    p.add_argument("--quick", action="store_true", help="smoke run (short prompts)")
+    p.add_argument("--stem", default="kv_groups")
+    args = p.parse_args()
+    if args.quick:
+        args.prompt_len, args.output_len, args.requests_off = 256, 64, 3
+        args.load_prompt_len, args.load_reps = 512, 2
+    blocks = -(-(args.load_prompt_len + 64) // BS)
+    args.load_blocks = {"off": blocks + 8, "on": 6 * blocks + 64}  # the same bytes
+    r = run(args)
+    print(json.dumps({k: r[k] for k in ("predicted", "measured_ratio", "ratio_vs_prediction")}))
+    if args.quick:
+        for m in r["measured"].values():
+            m.pop("held_per_step")
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"{args.stem}.json").write_text(json.dumps(r, indent=2) + "\n")
+        (RESULTS / f"{args.stem}.md").write_text(report(r))
+
+
+if __name__ == "__main__":
+    main()
