@@ -46,9 +46,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # KV cache groups per attention type (hybrid / sliding-window models): sliding-window
-    # layers keep only their window's blocks; off (--no-kv-groups): every layer keeps every
-    # token's KV in one group
-    kv_groups: bool = True
+    # layers keep only their window's blocks; off: every layer keeps every token's KV
+    kv_groups: bool = True  # one KV cache group per attention type (--no-kv-groups: one group)
     prefix_hash_seed: str = "kvserve"  # seed of the block hash chain (same on every instance)
     seed: int = 0  # default sampling seed
     # torch intra-op threads on CPU (default: the usable cores minus one for the server's own
