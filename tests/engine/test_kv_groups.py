@@ -361,8 +361,28 @@ def test_gemma3_groups_preempt_under_a_small_pool(gemma3):
     assert llm.get_stats().num_preemptions > 0
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf.greedy(p, 40)
-    llm.engine.check_integrity()
-    kvm = llm.engine.kv_cache_manager
+    eng = llm.engine
+    eng.check_integrity()
+    kvm = eng.kv_cache_manager
+    assert kvm.get_num_free_blocks() == kvm.num_usable_blocks
+    # The pool holds a request's windows, not its length: 600 tokens fit in 71 one-layer
+    # blocks (38 full + 5 windows of at most 6 during 40-token prefill chunks); 700 never
+    # can and is refused at once (a request that could never fit would preempt itself
+    # forever).
+    assert kvm.max_num_tokens == 41 * 16
+    long_ok, too_long = _prompts(22, [600, 700])
+    (out,) = _run(llm, [long_ok], 8)
+    assert out.outputs[0].token_ids == hf.greedy(long_ok, 8)
+    with pytest.raises(ValueError, match="holds at most 656 tokens"):
+        eng.add_request(None, too_long, _greedy(8))
+    # Aborted mid-decode: every group's blocks come back.
+    ids = [eng.add_request(None, p, _greedy(40)) for p in prompts[:2]]
+    for _ in range(12):
+        eng.step()
+    eng.abort_request([ids[0]])
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_integrity()
     assert kvm.get_num_free_blocks() == kvm.num_usable_blocks
 
 
