@@ -758,8 +758,14 @@ class OffloadingConnector(KVConnectorBase):
 
     def touch(self, block_hashes: list[bytes]) -> None:
         k = self.blocks_per_chunk
-        if self.manager is not None:
-            self.manager.touch(block_hashes[k - 1 :: k])
+        if self.manager is None:
+            return
+        keys = block_hashes[k - 1 :: k]
+        self.manager.touch(keys)
+        for g, window in enumerate(self.group_windows):
+            if g and keys:  # every group's chunks, a sliding group's only within its window
+                n = len(keys) if window is None else -(-window // self.chunk_tokens) + 1
+                self.manager.touch([group_chunk_key(key, g) for key in keys[-n:]])
 
     def take_events(self) -> list[AnyKVEvent]:
         if self.manager is None:
