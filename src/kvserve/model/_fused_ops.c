@@ -99,31 +99,23 @@ FO_INLINE void norm_body(const norm_args *a, int64_t r0, int64_t r1, const int e
 {
     for (int64_t r = r0; r < r1; r++) {
         char *x = a->x + r * a->x_st * elem, *out = a->out + r * a->out_st * elem;
-        float acc[16] = {0};
+        float sum = 0.0f; /* lanes of partial sums (omp simd), then added */
         if (a->res != NULL) {
-            const char *res = a->res + r * a->res_st * elem;
-            for (int64_t i0 = 0; i0 < a->cols; i0 += 16)
-                for (int64_t j = 0; j < 16; j++) {
-                    const int64_t i = i0 + j;
-                    if (i < a->cols) {
-                        const float h = rnd(ld(x, i, elem) + ld(res, i, elem), elem);
-                        st(x, i, h, elem);
-                        acc[j] += h * h;
-                    }
-                }
+            char *restrict xs = x;
+            const char *restrict res = a->res + r * a->res_st * elem;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < a->cols; i++) {
+                const float h = rnd(ld(xs, i, elem) + ld(res, i, elem), elem);
+                st(xs, i, h, elem);
+                sum += h * h;
+            }
         } else {
-            for (int64_t i0 = 0; i0 < a->cols; i0 += 16)
-                for (int64_t j = 0; j < 16; j++) {
-                    const int64_t i = i0 + j;
-                    if (i < a->cols) {
-                        const float h = ld(x, i, elem);
-                        acc[j] += h * h;
-                    }
-                }
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < a->cols; i++) {
+                const float h = ld(x, i, elem);
+                sum += h * h;
+            }
         }
-        float sum = 0.0f;
-        for (int j = 0; j < 16; j++)
-            sum += acc[j];
         const float inv = 1.0f / sqrtf(sum / (float)a->cols + a->eps);
         for (int64_t i = 0; i < a->cols; i++) {
             const float y = rnd(ld(x, i, elem) * inv, elem);
