@@ -12,13 +12,13 @@ within 5%).
    (``kvserve.bench.envoy``, 1 worker thread each) ask it in each request body mode (BUFFERED,
    the harness's and the envoy-gateway overlay's; STREAMED with the body sent without waiting
    for the headers' answer; the extension's FULL_DUPLEX_STREAMED); the BUFFERED one also has
-   a listener without ext_proc to a fixed backend;
-   another asks a second router process whose EPP runs on grpcio (``--epp-transport grpcio``,
-   BUFFERED: the state before the in-loop transport); another a do-nothing ext_proc service on
-   grpcio (the floor of a grpcio EPP). The arms rotate in blocks (direct, Envoy fixed
-   upstream, null processor, each EPP arm, HTTP router) so all see the same machine; added
-   latency is a percentile difference (EPP: Envoy + EPP - Envoy fixed; router: router -
-   direct). Envoy's ext_proc counters give the messages per request each way.
+   a listener without ext_proc to a fixed backend; another asks a second router process whose
+   EPP runs on grpcio (``--epp-transport grpcio``, BUFFERED: the state before the in-loop
+   transport); another a do-nothing ext_proc service on the same in-loop transport (the floor
+   of an EPP on it). The arms rotate in blocks (direct, Envoy fixed upstream, null processor,
+   each EPP arm, HTTP router) so all see the same machine; added latency is a percentile
+   difference (EPP: Envoy + EPP - Envoy fixed; router: router - direct). Envoy's ext_proc
+   counters give the messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
    real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
    workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
@@ -78,59 +78,43 @@ def _stop(p: subprocess.Popen | None) -> None:
 
 
 async def serve_null_processor(port: int, destination: str) -> None:
-    """The floor of any ext_proc service in Python on grpcio: the same message contract as
-    the EPP (BUFFERED: request headers continued, the pick on the body response;
-    FULL_DUPLEX_STREAMED: the pick on the headers response, the body echoed; an answer with
-    a length skips its body), one fixed destination, no scheduling."""
-    import grpc
+    """The floor of the EPP's transport: the EPP's BUFFERED message contract (request headers
+    continued, the pick on the body response, an answer with a length skips its body) on the
+    same in-loop gRPC server, one fixed destination, no scheduling."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+    from kvserve.cluster.epp.grpc_server import Call, GrpcServer, Method
     from kvserve.cluster.epp.processor import _SKIP_RESPONSE_BODY as skip_body
-    from kvserve.cluster.epp.processor import FULL_DUPLEX, Pick, _echo
+    from kvserve.cluster.epp.processor import Pick
 
     pick = Pick([destination])
     cont = pb.CommonResponse()
+    on_headers = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=cont))
     on_body = pb.ProcessingResponse(
         request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=pick.mutation)),
         dynamic_metadata=pick.metadata,
     )
+    on_response_body = pb.ProcessingResponse(response_body=pb.BodyResponse(response=cont))
 
-    class Null(pb_grpc.ExternalProcessorServicer):
-        async def Process(self, request_iterator, context):  # noqa: N802
-            body = []
-            duplex = False
-            while (msg := await context.read()) is not grpc.aio.EOF:
-                kind = msg.WhichOneof("request")
-                if msg.HasField("protocol_config"):
-                    duplex = msg.protocol_config.request_body_mode == FULL_DUPLEX
-                if kind == "request_headers" and not duplex:
-                    await context.write(
-                        pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=cont))
-                    )
-                elif kind == "request_body" and not duplex:
-                    await context.write(on_body)
-                elif kind == "request_body":
-                    body.append(msg.request_body.body)
-                    if msg.request_body.end_of_stream:
-                        await context.write(pick.headers_response)
-                        for out in _echo(b"".join(body), True, request=True):
-                            await context.write(out)
-                elif kind == "response_headers":
-                    r = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
-                    if any(h.key == "content-length" for h in msg.response_headers.headers.headers):
-                        r.mode_override.CopyFrom(skip_body)  # as the EPP does
-                    await context.write(r)
-                elif kind == "response_body":
-                    await context.write(
-                        pb.ProcessingResponse(response_body=pb.BodyResponse(response=cont))
-                    )
+    async def process(call: Call) -> None:
+        while (msg := await call.read()) is not None:
+            kind = msg.WhichOneof("request")
+            if kind == "request_headers":
+                call.write(on_headers)
+            elif kind == "request_body":
+                call.write(on_body)
+            elif kind == "response_headers":
+                r = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
+                if any(h.key == "content-length" for h in msg.response_headers.headers.headers):
+                    r.mode_override.CopyFrom(skip_body)  # as the EPP does
+                call.write(r)
+            elif kind == "response_body":
+                call.write(on_response_body)
 
-    server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(Null(), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    await server.wait_for_termination()
+    path = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+    server = GrpcServer({path: Method(pb.ProcessingRequest, process)})
+    await server.start("127.0.0.1", port)
+    await asyncio.Event().wait()
 
 
 async def _measure(
@@ -362,7 +346,9 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"- CPU per request (independent of the machine's load, {r['loadavg_1m']:.1f} "
                 f"here): the EPP {r['epp_cpu_ms_per_request']:.2f} ms (on grpcio, BUFFERED: "
                 f"{r['epp_grpcio_cpu_ms_per_request']:.2f} ms; a do-nothing ext_proc service on "
-                f"grpcio: {r['null_processor_cpu_ms_per_request']:.2f} ms); the HTTP router's "
+                f"the same transport: {r['null_processor_cpu_ms_per_request']:.2f} ms, adding "
+                f"p50 {r['null_added_p50_ms']:.2f} / p99 {r['null_added_p99_ms']:.2f} ms); "
+                f"the HTTP router's "
                 f"whole proxy path {r['router_cpu_ms_per_request']:.2f} ms; Envoy "
                 f"{r['envoy_of_epp_cpu_ms_per_request']:.2f} ms (its listener with ext_proc)."
             )
@@ -430,8 +416,8 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "Arms rotate in blocks of "
         f"{args.block_s:g} s ({args.blocks} per arm and rate). EPP added = Envoy+EPP - Envoy "
         "fixed upstream; router added = HTTP router - direct; null processor added = Envoy with",
-        "a do-nothing ext_proc service on grpcio (BUFFERED, fixed pick) - Envoy fixed: the",
-        "floor of a grpcio ext_proc service. "
+        "a do-nothing ext_proc service on the EPP's transport (BUFFERED, fixed pick) - Envoy",
+        "fixed: the floor of any EPP on it. "
         + (
             "CPU pinning: load generator and backends on CPU 0; Envoy, the EPP/router process "
             "and the null processor on CPU 1"

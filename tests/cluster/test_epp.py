@@ -339,6 +339,26 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path)
             assert "kvserve_router_epp_streams 0.0" in metrics
 
 
+def test_the_grpcio_transport(tmp_path):
+    """`--epp-transport grpcio` (grpc.aio instead of the in-loop server) keeps the contract:
+    gRPC health, a pick through Envoy, the served endpoint named, its count released."""
+    with fake_backends(2) as urls:
+        grpc_port = free_port()
+        config = {"endpoints": [{"url": u} for u in urls]}
+        flags = ["--epp-port", str(grpc_port), "--epp-transport", "grpcio"]
+        with (
+            router_process(tmp_path, config, *flags) as epp,
+            Envoy(EnvoySpec(("127.0.0.1", grpc_port)), tmp_path) as envoy,
+        ):
+            assert _health(grpc_port, "readiness") == SERVING
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            r = httpx.post(envoy.url + "/v1/completions", json=body, timeout=30, trust_env=False)
+            assert r.status_code == 200, r.text
+            state = httpx.get(epp + "/router/state", timeout=10, trust_env=False).json()
+            assert r.headers["x-kvserve-endpoint"] in {e["name"] for e in state["endpoints"]}
+            assert all(e["in_flight"] == 0 for e in state["endpoints"])
+
+
 def test_envoy_recovers_when_the_picker_restarts(stack):
     _, epp, envoy = stack
     body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 2}

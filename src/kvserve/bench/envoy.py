@@ -78,6 +78,11 @@ class EnvoySpec:
     served_attribute: bool = True  # send `upstream.address` with the response headers
     concurrency: int = 1  # Envoy worker threads
     allow_mode_override: bool = True  # the EPP may skip the response body (see processor)
+    # RETAIN: the EPP's header mutations do not send the request through route selection
+    # again (one route here; the ORIGINAL_DST pool reads the header when it picks the host):
+    # ~0.1 ms less of Envoy's CPU, ~0.2 ms less added latency (epp_2026-12-01c.md). DEFAULT
+    # (clear) where routes match on headers the EPP sets.
+    route_cache_action: str = "RETAIN"
     # A request header SUBSET_HEADER (``ip:port,...``) becomes the subset hint metadata.
     subset_hint_header: bool = True
 
@@ -200,6 +205,7 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
             },
             # The EPP skips the body of answers that come with a length (finished requests).
             "allow_mode_override": spec.allow_mode_override,
+            "route_cache_action": spec.route_cache_action,
             "metadata_options": {
                 "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
                 "receiving_namespaces": {"untyped": ["envoy.lb"]},
