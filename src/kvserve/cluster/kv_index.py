@@ -46,6 +46,7 @@ from itertools import repeat
 import msgspec
 
 from kvserve.cluster.kv_groups import (
+    FULL_ATTENTION,
     GROUP_SHIFT,
     MAX_GROUPS,
     MEDIA_MASK,
@@ -571,7 +572,10 @@ class KVIndex:
         n = len(hashes)
         group = ev.group_idx
         # A kind the rule cannot score (or a sliding window without its size): not indexed.
-        window = event_window(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+        kind = ev.kv_cache_spec_kind
+        window = (
+            0 if kind == FULL_ATTENTION else event_window(kind, ev.kv_cache_spec_sliding_window)
+        )
         if window < 0 or not 0 <= group < MAX_GROUPS or bs <= 0 or len(tokens) != n * bs:
             self.stats.skipped_events += 1
             return 0
@@ -613,7 +617,10 @@ class KVIndex:
         frm = int.from_bytes
         keys = [frm(kb[-8:], "big") for kb in key_bytes]
         # What a new entry holding only this event's copy is: indexed, below GPU only.
-        held, low = ep.groups.full_held(bit), ep.groups.full_lower(bit)
+        if ep.groups.grouped:
+            held, low = ep.groups.full_held(bit), ep.groups.full_lower(bit)
+        else:  # one group of full attention, as before groups existed
+            held, low = True, bit != 1
         if (
             by_engine.keys().isdisjoint(hashes)
             and by_key.keys().isdisjoint(keys)
@@ -753,14 +760,20 @@ class KVIndex:
         del ep.by_key[e.key]
         if ep.by_engine.get(e.engine_hash) is e:
             del ep.by_engine[e.engine_hash]
-        for table in (self._holders, self._lower):
-            m = table.get(e.key, 0)
-            if m & ep.bit:
-                m &= ~ep.bit
-                if m:
-                    table[e.key] = m
-                else:
-                    del table[e.key]
+        key, bit = e.key, ep.bit
+        m = self._holders.get(key, 0)
+        if m & bit:  # (a hybrid endpoint's entry may not count there)
+            m &= ~bit
+            if m:
+                self._holders[key] = m
+            else:
+                del self._holders[key]
+        if key in self._lower:
+            m = self._lower[key] & ~bit
+            if m:
+                self._lower[key] = m
+            else:
+                del self._lower[key]
         ep.ghosts[e.engine_hash] = e.key_bytes
         if len(ep.ghosts) > self.max_ghosts_per_endpoint:
             ep.ghosts.popitem(last=False)
