@@ -333,7 +333,8 @@ class KVIndex:
                 for tb in _bits(m & tier_bits):
                     via = members.get(tb, 0) & alive & ~m
                     if via:
-                        cost = 1.0 - w[by_bit[tb].by_key[k].mask & MEDIA_MASK]
+                        tier = by_bit[tb]
+                        cost = tier.groups.full_cost(tier.by_key[k].mask, w)
                         for b in _bits(via):
                             penalty[b] = penalty.get(b, 0.0) + cost
                         m |= via
@@ -360,25 +361,48 @@ class KVIndex:
 
     def _exact_only(self, ep: _EndpointBlocks) -> bool:
         """Matched on its own, not in the one pass: a model with sliding windows only
-        (nothing bounds its hit from block 0), or a member of a shared tier (a block may be
-        held partly by the endpoint, partly by the tier)."""
-        return not ep.groups.full_shifts or any(m & ep.bit for m in self._tier_members.values())
+        (nothing bounds its hit from block 0), or with several full-attention groups and
+        shared tiers (a block may be held by the endpoint for one group, by a tier for
+        another: the one pass sees only who holds all of them)."""
+        full = ep.groups.full_shifts
+        return not full or (len(full) > 1 and any(m & ep.bit for m in self._tier_members.values()))
+
+    def _maps(self, ep: _EndpointBlocks) -> list[OrderedDict[int, _Entry]]:
+        """``ep``'s block map and those of the shared tiers it can load from."""
+        return [ep.by_key] + [
+            self._by_bit[tb].by_key
+            for tb, members in self._tier_members.items()
+            if members & ep.bit and self._by_bit[tb].by_key
+        ]
 
     def _windows(
         self, ep: _EndpointBlocks, keys: Sequence[int], top: int, weighted: float
     ) -> tuple[int, float]:
         """Fit the sliding windows below the full-attention groups' run ``top`` (weighted:
-        ``weighted``) that the one pass found; every block below ``top`` is ``ep``'s own."""
+        ``weighted``) that the one pass found; each block below ``top`` is held by ``ep`` or
+        a shared tier of it."""
         if not top:
             return 0, 0.0
         layout, w = ep.groups, self.mask_weights
-        get = ep.by_key.__getitem__
+        maps = self._maps(ep)
+        if len(maps) == 1:
+            get = ep.by_key.__getitem__
 
-        def mask_at(i: int) -> int:
-            return get(keys[i]).mask
+            def mask_at(i: int) -> int:
+                return get(keys[i]).mask
+
+        else:
+
+            def mask_at(i: int) -> int:
+                k, m = keys[i], 0
+                for t in maps:
+                    e = t.get(k)
+                    if e is not None:
+                        m |= e.mask
+                return m
 
         def candidates() -> list[int]:
-            return candidates_by_bits(layout.sliding_bits, masks_of([ep.by_key], keys[:top]))
+            return candidates_by_bits(layout.sliding_bits, masks_of(maps, keys[:top]))
 
         sliding = layout.sliding(ep.block_size or 1)
         hit = sliding_hit(sliding, top, mask_at, candidates)
@@ -386,7 +410,7 @@ class KVIndex:
             return 0, 0.0
         cost = top - weighted
         if cost > 0.0 and hit < top:  # the blocks cut off took their tier cost with them
-            cost -= layout.full_costs(masks_of([ep.by_key], keys[hit:top]), w)
+            cost -= layout.full_costs(masks_of(maps, keys[hit:top]), w)
         cost += window_cost(layout, w, hit, sliding, mask_at)
         return hit, hit - max(cost, 0.0)
 
@@ -422,11 +446,7 @@ class KVIndex:
         full-attention groups bound the hit (a run from block 0), then the sliding windows
         are fitted below it. ``end``: a bound of a sliding-only model's hit (:meth:`_ends`)."""
         layout, w = ep.groups, self.mask_weights
-        maps = [ep.by_key] + [
-            self._by_bit[tb].by_key
-            for tb, members in self._tier_members.items()
-            if members & ep.bit and self._by_bit[tb].by_key
-        ]
+        maps = self._maps(ep)
         masks: list[int] = []
         if layout.full_shifts:
             masks = full_run(layout, maps, keys)
