@@ -358,9 +358,9 @@ bytes per block |
 {p50["hybrid_tier"]:.3f} | - |
 | sliding only (Mistral-style, W={WINDOW}, window kept) | - | {p50["sliding"]:.3f} | - |
 
-Hybrid endpoints with a full-attention group are matched in the one pass over the prompt
-that serves every endpoint, then only their windows are probed; members of a shared tier
-and sliding-only models are matched one endpoint at a time (masks read at C speed).
+Hybrid endpoints with a full-attention group (shared-tier members too) are matched in the
+one pass over the prompt that serves every endpoint, then only their windows are probed;
+sliding-only models are bounded by one backward pass, then matched one endpoint at a time.
 Ingestion of the hybrid stream counts every group's block events (stores and removals:
 {n_events["hybrid"]:,} for the same {args.ingest_blocks:,} blocks). Hits per endpoint, hybrid:
 {hits["hybrid"][:3]}...{hits["hybrid"][-2:]}; sliding only: {hits["sliding"][:3]}...\
