@@ -10,7 +10,10 @@ bring the next sweep forward; default 5% of ``size``, 0: never), ``fsync`` (flus
 before its rename; default off: a crash loses at most recent chunks, and the hash rejects a
 torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file systems),
 ``sweep`` (default true; false: this instance applies no retention, others do: a storage
-writer process opens the tier so, the engine's own instance sweeps for the bytes it wrote).
+writer process opens the tier so, the engine's own instance sweeps for the bytes it wrote),
+``writeback`` (default true: the writing thread starts each file's writeback itself,
+``sync_file_range``, so that the kernel's flusher threads, which run at normal priority beside
+the engine, have nothing left to do for it; the pages stay cached for readers).
 Reads and writes run in the caller's thread, one file after the other: the storage worker owns
 the concurrency (its I/O threads each read one contiguous shard of a staging read); the
 ``io_threads`` option is accepted for old configurations and ignored.
@@ -32,6 +35,7 @@ that died. Instances may sweep at once: a file another one already deleted is sk
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import threading
@@ -60,6 +64,20 @@ SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that trigger a s
 TOUCH_AFTER_S = 10.0  # a hit sets the mtime of a file untouched for longer than this
 
 _MISS, _HIT, _CORRUPT = 0, 1, 2
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_sync_file_range = getattr(_libc, "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+
+def start_writeback(fd: int) -> None:
+    """Start writing a file's dirty pages back, in the calling thread, without waiting for it
+    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing: the kernel's own)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def _touch(file: int | str) -> None:
@@ -98,6 +116,7 @@ class FsBackend(StorageBackend):
         locality: str = "LOCAL",
         io_threads: Any = 4,
         sweep: Any = True,
+        writeback: Any = True,
     ) -> None:
         root = Path(path).absolute()
         # Instances sharing the root agree on this id (how the router learns who shares).
@@ -120,6 +139,7 @@ class FsBackend(StorageBackend):
             int(SWEEP_EARLY * self.size_bytes) if sweep_after is None else parse_size(sweep_after)
         )
         self.fsync = parse_flag(fsync, "fs tier: fsync")
+        self.writeback = parse_flag(writeback, "fs tier: writeback")
         self.stored_bytes = codec.stored_bytes
         self.root = root
         self.dir = root / codec.namespace
@@ -265,6 +285,8 @@ class FsBackend(StorageBackend):
                 _touch(fd)
                 if self.fsync:
                     os.fsync(fd)
+                elif self.writeback:
+                    start_writeback(fd)
             finally:
                 os.close(fd)  # may report a deferred write error (network file systems)
             os.rename(tmp, path)  # atomic: readers see the old state or the whole file
