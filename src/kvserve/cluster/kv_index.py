@@ -28,7 +28,8 @@ before L; the hit is the largest such L, each block weighted by the worst tier a
 groups that need it. For an endpoint with full-attention groups, its bit in the holder map
 means "every full-attention group holds the block", so the one pass over the prompt finds
 their run for all endpoints at once and only the windows below it are probed. Sliding-only
-models and members of shared tiers are matched one endpoint at a time. An endpoint whose
+models, and models with several full-attention groups that use shared tiers, are matched
+one endpoint at a time. An endpoint whose
 events carry only group 0 with full attention (vLLM's non-hybrid models, older publishers)
 is matched exactly as before groups existed.
 """
