@@ -133,6 +133,15 @@ def test_chunks_written_by_the_process_read_back_verified(
         assert [bytes(host.slots_u8[s].numpy()) for s in dest] == expected
 
 
+def test_a_payload_outside_host_memory_is_refused(process_worker) -> None:
+    """The writer reads chunks from the host tier's shared memory only: other memory is a
+    caller's bug, refused without leaving the write queue counted full."""
+    worker = process_worker()
+    with pytest.raises(ValueError, match="host tier"):
+        worker.write([bytes(32)], [memoryview(bytearray(LAYOUT.chunk_bytes))])
+    assert worker._pending_write_chunks == 0 and not worker.has_inflight()
+
+
 def test_pause_holds_the_writer_process(process_worker, host: CpuBackend) -> None:
     worker = process_worker()
     keys = fill(host, [0], seed=2)

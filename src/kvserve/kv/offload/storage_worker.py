@@ -267,7 +267,12 @@ class StorageWorker:
         """Hand a write to the writer process: each tier's targets chosen here, the chunks'
         offsets in the shared host memory sent; :meth:`_remote_done` publishes the answer."""
         assert self._host is not None
-        offsets = [self._host.offset_of(p) for p in payloads]
+        try:
+            offsets = [self._host.offset_of(p) for p in payloads]
+        except ValueError:  # not host-tier memory: the caller's bug, the queue stays right
+            with self._cond:
+                self._pending_write_chunks -= len(keys)
+            raise
         targets = [tier.begin_put(keys) for tier in self.tiers]
         with self._cond:
             self._inflight += 1
