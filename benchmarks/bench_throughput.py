@@ -20,7 +20,9 @@ with its extensions built), for before / after ratios measured in the same run.
 
 ``--rounds N`` (N > 1) starts the HTTP servers once, all of them (each idle while another is
 measured), and measures them in turn N times: base, kvserve, vLLM, base, kvserve, ... so that a
-change of the machine's load hits every engine alike. The report's table holds each engine's
+change of the machine's load hits every engine alike. Round i sends the workload of seed
+``--seed + i`` (fresh prompts, no prefix-cache hits from earlier rounds), the same to every
+engine. The report's table holds each engine's
 median round (by total token throughput); every round's throughput and the per-round ratios
 are in its notes.
 
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(markdown_table([runs[-1].summary]), flush=True)
 
-    def measure(server: ServerProcess, label: str, extra_conf: dict) -> None:
+    def measure(server: ServerProcess, label: str, extra_conf: dict, load=None) -> None:
         server.wait_ready(args.startup_timeout)
         cfg = LoadConfig(
             base_url=server.url,
@@ -224,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             label=label,
         )
-        _, run = http_run(workload, cfg, tokenize=tokenize, warmup=warmup)
+        _, run = http_run(load or workload, cfg, tokenize=tokenize, warmup=warmup)
         run.config.update(extra_conf)
         runs.append(run)
         print(markdown_table([run.summary]), flush=True)
@@ -281,8 +283,14 @@ def main(argv: list[str] | None = None) -> int:
                 started[-1][1].wait_ready(args.startup_timeout)
             by_label: dict[str, list] = {label: [] for label, _, _ in started}
             for i in range(args.rounds):
+                # Fresh prompts every round (seed + round), the same for every engine: a
+                # server that saw round 1's would serve them from its prefix cache.
+                load = random_workload(
+                    args.num_prompts, args.input_len, args.output_len, vocab=vocab,
+                    seed=args.seed + i,
+                )  # fmt: skip
                 for label, server, extra in started:
-                    measure(server, label, dict(extra, round=i + 1))
+                    measure(server, label, dict(extra, round=i + 1, seed=args.seed + i), load)
                     by_label[label].append(runs.pop())
         finally:
             for _, server, _ in started:
