@@ -4,8 +4,11 @@ Each ratio against a reference timed in the same process, in turns with the mode
 model, reference, ...), so load from other jobs hits both alike:
 - prefill: FLOP/s of one prompt's forward pass (``--prompt-len`` tokens, logits of the last
   token only, as the engine computes them) / the matmul peak for the same dtype, the best of
-  large square GEMMs (``--peak-sizes``). FLOPs counted: 2 x (tokens x projection weights) +
-  causal attention (2 x 2 x T^2 / 2 x heads x head dim per layer) + the LM head for one token.
+  large square GEMMs (``--peak-sizes``), each timed both through ``torch.mm`` and, on CPU,
+  through oneDNN with a packed weight (what the engine's projections run: for fp32 it is ~2x
+  torch's BLAS here, so torch.mm alone would let prefill exceed its "peak"). FLOPs counted:
+  2 x (tokens x projection weights) + causal attention (2 x 2 x T^2 / 2 x heads x head dim
+  per layer) + the LM head for one token.
 - decode at batch 1: bytes read per step (every projection weight, the LM head, one embedding
   row, the K/V of the ``--context`` tokens in every layer) / step time, against the memory
   read bandwidth measured by summing a buffer far larger than the caches.
@@ -67,6 +70,18 @@ def matmul_peak_fn(n: int, dtype: torch.dtype):
     b = torch.randn(n, n, device=DEVICE).to(dtype)
     out = torch.empty(n, n, dtype=dtype, device=DEVICE)
     return lambda: torch.mm(a, b, out=out), 2 * n**3
+
+
+def packed_peak_fn(n: int, dtype: torch.dtype):
+    """The same GEMM through oneDNN with a packed weight (``PackedLinear``), or None where
+    the engine would not pack ``dtype``."""
+    from kvserve.model.packed_linear import PackedLinear, batch_hint, can_pack
+
+    if not can_pack(dtype, DEVICE, fp32=True):
+        return None
+    x = torch.randn(n, n, device=DEVICE).to(dtype)
+    lin = PackedLinear(torch.randn(n, n, device=DEVICE).to(dtype), None, batch_hint(dtype))
+    return lambda: lin(x), 2 * n**3
 
 
 def read_bandwidth_fn(nbytes: int):
@@ -159,6 +174,9 @@ def measure(args: argparse.Namespace, dtype: str, threads: int) -> dict:
     }
     # Prefill vs the matmul peak.
     peaks = {f"mm{n}": matmul_peak_fn(n, tdt) for n in args.peak_sizes}
+    if args.device == "cpu":
+        packed = {f"packed{n}": packed_peak_fn(n, tdt) for n in args.peak_sizes}
+        peaks |= {k: v for k, v in packed.items() if v is not None}
     fns = {k: f for k, (f, _) in peaks.items()} | {"prefill": steps.prefill}
     t = interleaved(fns, args.turns)
     peak = max(flops / min(t[k]) for k, (_, flops) in peaks.items())
