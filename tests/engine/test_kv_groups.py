@@ -78,6 +78,7 @@ def test_groups_follow_the_layer_mix():
     assert make_kv_cache_groups(gemma, enable=False) == [full(0, 1, 2, 3, 4, 5)]
     mistral = _config("MistralForCausalLM", 4, sliding_window=16)
     assert make_kv_cache_groups(mistral) == [sliding(0, 1, 2, 3, window=16)]
+    assert make_kv_cache_groups(mistral, enable=False) == [full(0, 1, 2, 3)]
     assert make_kv_cache_groups(_config("LlamaForCausalLM", 3)) == [full(0, 1, 2)]
     # Qwen2 with the window from layer 6 of 8: groups of 2 layers (the smaller type).
     qwen = _config(
@@ -419,3 +420,32 @@ def test_gemma3_hit_loaded_from_the_host_tier_per_group(gemma3):
     eng.check_integrity()
     kvm = eng.kv_cache_manager
     assert not kvm._pins and kvm.get_num_free_blocks() == kvm.num_usable_blocks
+
+
+def test_mistral_sliding_group_offload_hit_matches_recompute(tmp_path):
+    """A window in every layer is one sliding group: the host tier stores and loads it per
+    group too (its blocks before the window are the null block), never the null block."""
+    d = str(make_model(tmp_path, "tiny-mistral-sw"))  # window 48
+    llm = LLM(d, block_size=16, num_kv_blocks=400, kv_offload_size=0.02, dtype="float32",
+              debug=True, max_num_batched_tokens=100)  # fmt: skip
+    eng = llm.engine
+    kvm = eng.kv_cache_manager
+    assert kvm.num_groups == 1 and kvm.sliding_managers
+    a = _prompts(41, [250])[0]
+    _run(llm, [a], 12, window_bound=False)
+    while eng.scheduler.has_requests():
+        eng.step()
+    assert eng.reset_prefix_cache()
+    b = a[:240] + _prompts(42, [9])[0]
+    before = eng.connector.stats()
+    (out,) = _run(llm, [b], 12, window_bound=False)
+    after = eng.connector.stats()
+    assert out.metrics.num_external_cached_tokens == 192  # three 64-token chunks
+    # Keys [145, 192) of the query at 192: blocks 9-11 of 4 layers, not all 12.
+    assert after.load_bytes - before.load_bytes == 3 * eng.runner.kv_block_bytes()
+    ref = LLM(d, block_size=16, dtype="float32", enable_prefix_caching=False, kv_groups=False)
+    assert ref.engine.kv_cache_manager.sliding_managers == []
+    (want,) = ref.generate([b], _greedy(12))
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    eng.check_integrity()
+    assert kvm.get_num_free_blocks() == kvm.num_usable_blocks

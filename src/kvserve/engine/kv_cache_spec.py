@@ -88,17 +88,17 @@ def layer_spec(config: ModelConfig, layer_idx: int) -> KVCacheSpec:
 
 
 def make_kv_cache_groups(config: ModelConfig, enable: bool = True) -> list[KVCacheGroupSpec]:
-    """The model's KV cache groups. ``enable=False`` (or a single attention type): one group of
-    every layer, sliding only if every layer slides with one window (mixed models then keep
-    every layer's KV for every token, as without groups)."""
+    """The model's KV cache groups. ``enable=False``: one full-attention group of every layer
+    (every layer's KV for every token, as without groups); a single attention type: one group
+    of every layer with that spec (a window in every layer: one sliding group)."""
     n = config.num_hidden_layers
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for i in range(n):
         by_spec.setdefault(layer_spec(config, i), []).append(i)
-    if len(by_spec) == 1:
-        return [KVCacheGroupSpec(tuple(range(n)), next(iter(by_spec)))]
     if not enable:
         return [KVCacheGroupSpec(tuple(range(n)), FullAttentionSpec())]
+    if len(by_spec) == 1:
+        return [KVCacheGroupSpec(tuple(range(n)), next(iter(by_spec)))]
     counts = [len(v) for v in by_spec.values()]
     size = min(counts)
     if max(counts) < 1.25 * size:

@@ -119,7 +119,7 @@ class ModelRunner:
         per_group = cfg.kv_connector == "offload" and not (cfg.kv_tier or cfg.kv_tiers_config)
         if enable and cfg.kv_connector and not per_group:
             groups = make_kv_cache_groups(self.model_config, enable=True)
-            if len(groups) > 1:
+            if len(groups) > 1 or groups[0].spec.sliding_window is not None:
                 logger.warning(
                     "KV cache groups are off: the %s connector moves every layer's KV",
                     self.config.kv_connector,

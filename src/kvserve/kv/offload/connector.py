@@ -224,15 +224,17 @@ class OffloadingConnector(KVConnectorBase):
         # KV cache groups (bind_kv_cache_manager): the window of each (None: full attention).
         self.kvm: KVCacheManager | None = None
         self.group_windows: list[int | None] = [None]
+        self.per_group = False  # several groups, or a sliding one: the per-group paths
 
     def bind_kv_cache_manager(self, kvm: KVCacheManager) -> None:
         """The engine's KV cache manager: its groups (stores and loads per group), its block
         tables, pins on the sliding-window blocks a store reads."""
         self.kvm = kvm
         self.group_windows = [g.spec.sliding_window for g in kvm.kv_cache_groups]
-        if len(self.group_windows) > 1:
+        self.per_group = len(self.group_windows) > 1 or self.group_windows[0] is not None
+        if self.per_group:
             if self.tier_specs:
-                raise ValueError("storage tiers move every layer: use one KV cache group")
+                raise ValueError("storage tiers move every token's KV: use one full group")
             kvm.set_sliding_hold(self.chunk_tokens)
 
     # ================================ worker side: setup =================================
@@ -347,7 +349,7 @@ class OffloadingConnector(KVConnectorBase):
         # Only chunks that end before the last prompt token can be used.
         n_usable = min(n_chunks, (request.num_tokens - 1) // self.chunk_tokens + 1)
         sources: list[int] = []
-        if len(self.group_windows) > 1:
+        if self.per_group:
             hits = self._group_hits(request, first, n_usable)
             keys = []
         else:
@@ -433,7 +435,7 @@ class OffloadingConnector(KVConnectorBase):
         start_block = num_computed // bs
         end_block = -(-(num_computed + num_external_tokens) // bs)
         first, last = start_block // k, (end_block - 1) // k
-        if len(self.group_windows) > 1:
+        if self.per_group:
             self._group_load(request, st, first, last, start_block, end_block)
             return
         keys = self._chunk_keys(request, first, last + 1)
@@ -595,7 +597,7 @@ class OffloadingConnector(KVConnectorBase):
         job = False
         if n_new and n_full > st.next_store_chunk:
             first, st.next_store_chunk = st.next_store_chunk, n_full
-            if len(self.group_windows) > 1:
+            if self.per_group:
                 job = self._reserve_group_store(
                     rid, request, first, n_full, scheduler_output, chunks, pins
                 )
@@ -666,7 +668,8 @@ class OffloadingConnector(KVConnectorBase):
         k = self.blocks_per_chunk
         mgr = self._mgr()
         n = len(chunks)
-        for g, table in enumerate(scheduler_output.group_block_ids[rid]):
+        tables = scheduler_output.group_block_ids.get(rid) or [scheduler_output.block_ids[rid]]
+        for g, table in enumerate(tables):
             ids_of: dict[bytes, list[int]] = {}
             metas: list[ChunkMeta] | None = [] if self.emit_events else None
             for key, i in zip(
