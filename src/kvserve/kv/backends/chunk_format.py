@@ -17,6 +17,11 @@ bytes, readable by any language.
 The model fingerprint names the weights, not only the directory: config, tokenizer and sampled
 content of every weight file, with the hash seed, so two instances share KV only when they would
 compute the same KV (see :func:`fingerprint_model_dir`).
+
+KV cache groups (hybrid models): a chunk holds one group's layers. The header's key is the
+group's (:func:`group_chunk_key`), so a chunk of group 2 never reads as group 3's, and the
+fingerprint of an engine with groups also names its grouping (:func:`kv_groups_identity`), so
+no chunk reads as another grouping's or as an every-layer chunk.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -47,6 +54,15 @@ def group_chunk_key(key: bytes, group_idx: int) -> bytes:
     if group_idx == 0:
         return key
     return hashlib.sha256(b"kvserve-kv-group:%d:" % group_idx + key).digest()
+
+
+def kv_groups_identity(groups: Sequence[Any]) -> str:
+    """Names a model's KV cache groups (``KVCacheGroupSpec``: attention kind, window, layers)
+    for the fingerprint: engines share a group's chunks only when they group alike."""
+    parts = [
+        f"{g.spec.kind}:{g.spec.sliding_window}:{','.join(map(str, g.layer_ids))}" for g in groups
+    ]
+    return "kv-groups=" + ";".join(parts)
 
 
 def payload_digest(payload: memoryview | bytes) -> bytes:

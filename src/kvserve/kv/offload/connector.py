@@ -36,8 +36,11 @@ group); a lookup hits where the full-attention groups hold every chunk and each 
 group the chunks covering the window before the hit point, and a load reads only those for a
 sliding group (its blocks before the window are the null block). A sliding group's blocks
 are freed by the window only in whole chunks, once the chunk is complete and its store planned;
-a store pins the sliding blocks it reads until it ends. Storage tiers still move every layer:
-with them (and with P/D) a hybrid model keeps one group.
+a store pins the sliding blocks it reads until it ends. Storage tiers hold every group's
+chunks too (the cascade writes each under its group's key); a storage hit is staged into host
+slots before the request is allocated (:class:`_GroupStage`: lookups per group, then one read
+of only the chunks the hit needs, a sliding group's window), so a chunk that fails to read is a
+shorter hit. With P/D (whole blocks of every layer) a hybrid model keeps one group.
 
 Both halves run in the engine's process and share this object; job completions are applied
 to the manager in :meth:`get_finished` (the engine calls it every step). Before that, a step
@@ -60,7 +63,12 @@ from kvserve.config import GiB
 from kvserve.engine.hashing import block_extra_keys, hash_to_int
 from kvserve.kv.backends import create_backend
 from kvserve.kv.backends.base import ChunkLayout
-from kvserve.kv.backends.chunk_format import ChunkCodec, fingerprint_model_dir, group_chunk_key
+from kvserve.kv.backends.chunk_format import (
+    ChunkCodec,
+    fingerprint_model_dir,
+    group_chunk_key,
+    kv_groups_identity,
+)
 from kvserve.kv.backends.storage import StorageBackend, load_tier_specs
 from kvserve.kv.connector import (
     KVConnectorBase,
@@ -150,6 +158,26 @@ class _TierLookup:
     sources: list[int] | None = None  # None while in flight
 
 
+@dataclass
+class _GroupStage:
+    """Storage-tier hits of a waiting request of a model with KV cache groups, staged into
+    host-tier slots before the request is allocated: lookups per group (group ``g`` from
+    chunk ``starts[g]`` on), then one read of the chunks the hit needs. Once ``done``, the
+    hit is the host tier's: a chunk that failed to read is simply not there (a shorter hit,
+    never a rollback into blocks a window dropped)."""
+
+    first: int
+    started: float
+    starts: list[int]
+    sources: list[list[int] | None]  # per group: tier of each chunk from starts[g]; None: asked
+    lookups: dict[int, int] = field(default_factory=dict)  # lookup op -> group, in flight
+    keys: list[bytes] = field(default_factory=list)  # chunks being read into host slots
+    slots: list[int] = field(default_factory=list)
+    reading: bool = False
+    room_since: float | None = None  # waiting for host slots to stage into, since
+    done: bool = False
+
+
 @register_connector("offload")
 class OffloadingConnector(KVConnectorBase):
     """Asynchronous offloading of KV chunks to a host-memory tier."""
@@ -225,6 +253,10 @@ class OffloadingConnector(KVConnectorBase):
         self.kvm: KVCacheManager | None = None
         self.group_windows: list[int | None] = [None]
         self.per_group = False  # several groups, or a sliding one: the per-group paths
+        # Storage-tier hits of waiting requests staged per group (request -> stage), and the
+        # storage operations (lookups, reads) of the stages (op -> stage).
+        self._group_stages: dict[str, _GroupStage] = {}
+        self._stage_ops: dict[int, _GroupStage] = {}
 
     def bind_kv_cache_manager(self, kvm: KVCacheManager) -> None:
         """The engine's KV cache manager: its groups (stores and loads per group), its block
@@ -233,8 +265,6 @@ class OffloadingConnector(KVConnectorBase):
         self.group_windows = [g.spec.sliding_window for g in kvm.kv_cache_groups]
         self.per_group = len(self.group_windows) > 1 or self.group_windows[0] is not None
         if self.per_group:
-            if self.tier_specs:
-                raise ValueError("storage tiers move every token's KV: use one full group")
             kvm.set_sliding_hold(self.chunk_tokens)
 
     # ================================ worker side: setup =================================
@@ -243,8 +273,12 @@ class OffloadingConnector(KVConnectorBase):
         layout = ChunkLayout.from_kv_cache(kv_caches, self.blocks_per_chunk)
         # Names the weights (sampled content), the hash seed and the layout: instances share
         # stored KV only when they would compute the same KV.
+        # With KV cache groups, also the grouping (a block holds one group's layers).
+        groups = []
+        if self.per_group and self.kvm is not None:
+            groups = [kv_groups_identity(self.kvm.kv_cache_groups)]
         fingerprint = fingerprint_model_dir(
-            self.config.model or "", self.config.prefix_hash_seed, layout.describe()
+            self.config.model or "", self.config.prefix_hash_seed, layout.describe(), *groups
         )
         # With storage tiers, a few slots are kept out of the host tier's allocation: a chunk
         # the host tier has no room for is copied there, written to the storage tiers, freed.
@@ -307,28 +341,185 @@ class OffloadingConnector(KVConnectorBase):
             return [group_chunk_key(hashes[(i + 1) * k - 1], group) for i in range(first, end)]
         return [hashes[(i + 1) * k - 1] for i in range(first, end)]
 
-    def _group_hits(self, request: Request, first: int, end: int) -> int:
+    def _group_hits(
+        self, request: Request, first: int, end: int, stage: _GroupStage | None = None
+    ) -> int:
         """Chunks from ``first`` every KV cache group can load: the full-attention groups'
         leading run, shortened until each sliding group holds the chunks covering its window
-        before the hit point (``min(end * chunk_tokens, num_tokens - 1)``)."""
+        before the hit point (``min(end * chunk_tokens, num_tokens - 1)``). With ``stage``,
+        a chunk its storage-tier lookups found counts as held too."""
         mgr = self._mgr()
         ct = self.chunk_tokens
+
+        def held(g: int, lo: int, hi: int) -> bool:
+            keys = self._chunk_keys(request, lo, hi, g)
+            n = mgr.lookup(keys)
+            if stage is None or n == len(keys):
+                return n == len(keys)
+            start, src = stage.starts[g], stage.sources[g] or []
+            return all(
+                start <= lo + j < start + len(src) or mgr.lookup([key])
+                for j, key in enumerate(keys[n:], n)
+            )
+
         for g, window in enumerate(self.group_windows):
             if window is None and end > first:
-                end = first + mgr.lookup(self._chunk_keys(request, first, end, g))
+                n = mgr.lookup(self._chunk_keys(request, first, end, g))
+                if stage is not None and first + n >= stage.starts[g]:
+                    n = max(n, stage.starts[g] + len(stage.sources[g] or []) - first)
+                end = min(end, first + n)
         while end > first:
             hit = min(end * ct, request.num_tokens - 1)
-            for g, window in enumerate(self.group_windows):
-                if window is not None:
-                    keys = self._chunk_keys(
-                        request, max(first, (hit - window + 1) // ct), -(-hit // ct), g
-                    )
-                    if mgr.lookup(keys) < len(keys):
-                        break
-            else:
+            if all(
+                held(g, max(first, (hit - window + 1) // ct), -(-hit // ct))
+                for g, window in enumerate(self.group_windows)
+                if window is not None
+            ):
                 return end - first
             end -= 1
         return 0
+
+    def _group_needs(self, request: Request, first: int, end: int) -> list[tuple[int, int, bytes]]:
+        """``(chunk, group, key)`` of every chunk a hit of chunks ``first .. end - 1`` loads:
+        a full-attention group's every chunk, a sliding group's those covering its window
+        before the hit point; in chunk order."""
+        ct = self.chunk_tokens
+        hit = min(end * ct, request.num_tokens - 1)
+        out: list[tuple[int, int, bytes]] = []
+        for g, window in enumerate(self.group_windows):
+            lo = first if window is None else max(first, (hit - window + 1) // ct)
+            hi = -(-hit // ct)
+            out.extend(
+                (i, g, key)
+                for i, key in zip(range(lo, hi), self._chunk_keys(request, lo, hi, g), strict=True)
+            )
+        out.sort(key=lambda t: (t[0], t[1]))
+        return out
+
+    def _stage_group_hits(self, rid: str, request: Request, first: int, n_usable: int) -> bool:
+        """Stage the storage-tier chunks that extend ``request``'s host-tier hit into host
+        slots, per KV cache group: lookups (full groups from their host run's end, sliding
+        groups from the earliest window a hit could need), then one read of the chunks the
+        longest hit needs that the host tier lacks (a sliding group's older chunks are never
+        read). False while a lookup or read runs: ask again next step. Past
+        ``kv_tier_lookup_timeout`` of lookup or of waiting for host room, no storage hit."""
+        assert self.storage is not None
+        stage = self._group_stages.get(rid)
+        if stage is not None and stage.first != first:  # its primary hit changed
+            self._drop_stage(rid)
+            stage = None
+        if stage is None:
+            stage = self._start_group_stage(request, first, n_usable)
+            self._group_stages[rid] = stage
+        if stage.done:
+            return True
+        if stage.reading:
+            return False
+        now = time.monotonic()
+        if stage.lookups:
+            if now - stage.started < self.lookup_timeout:
+                return False
+            self._counts["tier_lookup_timeouts"] += 1
+            for op in stage.lookups:
+                self._stage_ops.pop(op, None)
+            stage.lookups.clear()
+            stage.done = True
+            return True
+        mgr = self._mgr()
+        hits = self._group_hits(request, first, n_usable, stage)
+        want: list[tuple[int, bytes, int]] = []  # (chunk, key, tier)
+        for i, g, key in self._group_needs(request, first, first + hits):
+            if not mgr.lookup([key]):
+                src = stage.sources[g] or []
+                if not stage.starts[g] <= i < stage.starts[g] + len(src):
+                    stage.done = True  # left the host tier since the lookup: host hits only
+                    return True
+                want.append((i, key, src[i - stage.starts[g]]))
+        if not want:
+            stage.done = True
+            return True
+        if mgr.num_reservable() < min(len(want), mgr.capacity):
+            # Loads pin slots or stores fill them: those end soon.
+            if stage.room_since is None:
+                stage.room_since = now
+            if now - stage.room_since < self.lookup_timeout:
+                return False
+            self._counts["tier_staging_timeouts"] += 1
+            stage.done = True
+            return True
+        groups_of = {key: g for _, g, key in self._group_needs(request, first, first + hits)}
+        metas = (
+            [self._chunk_meta(request, i, groups_of[key]) for i, key, _ in want]
+            if self.emit_events
+            else None
+        )
+        out = mgr.prepare_store([key for _, key, _ in want], metas)
+        tier_of = {key: t for _, key, t in want}
+        slot_u8 = self.tier.slots_u8
+        items = [
+            ReadItem(tier_of[key], key, memoryview(slot_u8[slot].numpy()))
+            for key, slot in zip(out.keys_to_store, out.slots, strict=True)
+        ] if out is not None else []  # fmt: skip
+        if not items:
+            stage.done = True
+            return True
+        stage.keys, stage.slots, stage.reading = list(out.keys_to_store), list(out.slots), True
+        self._stage_ops[self.storage.read(items)] = stage
+        return False
+
+    def _start_group_stage(self, request: Request, first: int, n_usable: int) -> _GroupStage:
+        """A stage's storage-tier lookups: each group's chunks past its host-tier run."""
+        assert self.storage is not None
+        mgr = self._mgr()
+        ct = self.chunk_tokens
+        h_min = min((first + 1) * ct, request.num_tokens - 1)  # the earliest hit point
+        stage = _GroupStage(first, time.monotonic(), [], [])
+        for g, window in enumerate(self.group_windows):
+            lo = first if window is None else max(first, (h_min - window + 1) // ct)
+            keys = self._chunk_keys(request, lo, n_usable, g)
+            n = mgr.lookup(keys)
+            stage.starts.append(lo + n)
+            rest = keys[n:]
+            if not rest:
+                stage.sources.append([])
+            elif self._lookup_in_memory:
+                stage.sources.append(self.storage.lookup_now(rest))
+            else:
+                stage.sources.append(None)
+                op = self.storage.lookup(rest)
+                stage.lookups[op] = g
+                self._stage_ops[op] = stage
+        return stage
+
+    def _drop_stage(self, rid: str) -> None:
+        """Forget a request's stage; a read in flight still ends (its slots are settled)."""
+        stage = self._group_stages.pop(rid, None)
+        if stage is not None:
+            for op in stage.lookups:
+                self._stage_ops.pop(op, None)
+            stage.lookups.clear()
+
+    def _stage_read_done(self, stage: _GroupStage, res: StorageResult) -> None:
+        """A stage's chunks are in host slots (or failed): the verified ones are host-tier
+        chunks from now on, the others are dropped (a miss: a shorter hit)."""
+        mgr = self._mgr()
+        ok = list(res.ok) + [False] * (len(stage.keys) - len(res.ok))
+        good = [k for k, g in zip(stage.keys, ok, strict=False) if g]
+        bad = [k for k, g in zip(stage.keys, ok, strict=False) if not g]
+        if good:
+            slots = [s for s, g in zip(stage.slots, ok, strict=False) if g]
+            self.tier.record(slots, good)  # verified by the tier: the host header now
+        mgr.complete_store(good, success=True)
+        mgr.complete_store(bad, success=False)
+        self._counts["tier_loaded_chunks"] += len(good)
+        self._counts["tier_failed_chunks"] += len(bad)
+        self._stats.load_bytes += res.nbytes
+        self._stats.load_time_s += res.seconds
+        if bad:
+            logger.warning(
+                "%d storage-tier chunk(s) missing or failed verification; recomputing", len(bad)
+            )
+        stage.keys, stage.slots, stage.reading, stage.done = [], [], False, True
 
     # ================================ scheduler side =====================================
     def get_num_new_matched_tokens(
@@ -351,6 +542,10 @@ class OffloadingConnector(KVConnectorBase):
         sources: list[int] = []
         if self.per_group:
             hits = self._group_hits(request, first, n_usable)
+            if self.storage is not None and first + hits < n_usable:
+                if not self._stage_group_hits(rid, request, first, n_usable):
+                    return None, False  # storage lookup or staging in flight: ask again
+                hits = self._group_hits(request, first, n_usable)
             keys = []
         else:
             keys = self._chunk_keys(request, first, n_usable)
@@ -414,6 +609,7 @@ class OffloadingConnector(KVConnectorBase):
         rid = request.request_id
         lookup = self._lookups.pop(rid, None)
         self._room_waits.pop(rid, None)
+        self._drop_stage(rid)
         tl = self._tier_lookups.pop(rid, None)
         if tl is not None:
             self._lookup_ops.pop(tl.op_id, None)
@@ -681,13 +877,18 @@ class OffloadingConnector(KVConnectorBase):
                     if metas is not None:
                         metas.append(self._chunk_meta(request, i, g))
             out = mgr.prepare_store(list(ids_of), metas) if ids_of else None
-            if out is None:
-                continue
             sliding = self.group_windows[g] is not None
-            for key, slot in zip(out.keys_to_store, out.slots, strict=True):
-                chunks.append(ChunkCopy(slot, key, ids_of[key]))
-                if sliding:
-                    pins.extend(ids_of[key])
+            if out is not None:
+                for key, slot in zip(out.keys_to_store, out.slots, strict=True):
+                    chunks.append(ChunkCopy(slot, key, ids_of[key]))
+                    if sliding:
+                        pins.extend(ids_of[key])
+            if self.storage is not None and ids_of:  # no room in the host tier: spill
+                for j, (key, ids) in enumerate(ids_of.items()):
+                    if mgr.slot_of(key) is None and key not in self._spills:
+                        self._spill(key, metas[j] if metas is not None else None, ids, chunks)
+                        if sliding and key in self._spills:
+                            pins.extend(ids)
         return len(chunks) > n
 
     def _spill(
@@ -725,6 +926,7 @@ class OffloadingConnector(KVConnectorBase):
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._room_waits.pop(rid, None)
+        self._drop_stage(rid)
         tl = self._tier_lookups.pop(rid, None)
         if tl is not None:
             self._lookup_ops.pop(tl.op_id, None)
@@ -998,6 +1200,13 @@ class OffloadingConnector(KVConnectorBase):
 
     def _storage_done(self, res: StorageResult, out: KVConnectorOutput) -> None:
         """Apply one finished storage operation (engine thread)."""
+        stage = self._stage_ops.pop(res.op_id, None)
+        if stage is not None:
+            if res.kind == "read":
+                self._stage_read_done(stage, res)
+            else:
+                stage.sources[stage.lookups.pop(res.op_id)] = res.sources
+            return
         if res.kind == "lookup":
             rid = self._lookup_ops.pop(res.op_id, None)
             tl = self._tier_lookups.get(rid) if rid is not None else None

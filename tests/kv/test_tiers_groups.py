@@ -1,0 +1,132 @@
+"""Storage tiers per KV cache group, end to end on tiny-gemma3 (one full-attention layer, five
+sliding-window layers of window 32: six one-layer groups).
+
+Engine A stores a prompt; a fresh engine B on the same tier (a shared file system, a real
+Valkey/Redis server) finds it only there. Oracles: B's greedy output equals transformers' (fp32)
+and A's; B reads the full group's every chunk and each sliding group's window chunk only (tier
+hits and bytes vs every layer's); a chunk of another group or a corrupt one is a miss.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvserve import LLM
+from kvserve.engine.request import Request
+from kvserve.engine.sampling_params import SamplingParams as Params
+from kvserve.kv.backends.chunk_format import group_chunk_key
+from kvserve.model.presets import make_model
+from tests.engine.test_kv_groups import _prompts, _run
+from tests.engine.test_llm_parity import HFOracle
+
+CHUNK = 64  # tokens per offload chunk: 4 blocks of 16
+GROUPS = 6
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    d = str(make_model(tmp_path_factory.mktemp("gemma3_tiers"), "tiny-gemma3"))
+    return d, HFOracle(d)
+
+
+def make_engine(model_dir: str, tier: str, seed: str = "kvserve") -> LLM:
+    llm = LLM(model_dir, block_size=16, num_kv_blocks=400, max_num_batched_tokens=128,
+              dtype="float32", debug=True, kv_offload_size=0.02, kv_offload_block_size=CHUNK,
+              kv_tier=[tier], prefix_hash_seed=seed, enable_kv_cache_events=True)  # fmt: skip
+    assert llm.engine.kv_cache_manager.num_groups == GROUPS  # no fallback to one group
+    return llm
+
+
+def tier_row(llm: LLM) -> dict[str, float]:
+    (row,) = llm.get_stats().connector.tiers.values()
+    return row
+
+
+def drain(llm: LLM) -> None:
+    """Step until the cascade writes ended; then nothing is left in flight."""
+    eng = llm.engine
+    for _ in range(2000):
+        if not eng.has_unfinished_requests() and not eng.connector.has_pending_work():
+            break
+        eng.step()
+    conn = eng.connector
+    assert not conn._jobs and not conn._reqs and not conn._group_stages and not conn._stage_ops
+    eng.check_integrity()
+    kvm = eng.kv_cache_manager
+    assert not kvm._pins and kvm.get_num_free_blocks() == kvm.num_usable_blocks
+
+
+def store_on_a(model_dir: str, tier: str, prompt: list[int], seed: str = "kvserve") -> list:
+    a = make_engine(model_dir, tier, seed)
+    try:
+        (out,) = _run(a, [prompt], 4)
+        drain(a)
+        row = tier_row(a)
+        assert row["written"] + row["write_skipped"] == 4 * GROUPS  # every group's 4 chunks
+        return out.outputs[0].token_ids
+    finally:
+        a.shutdown()
+
+
+def hit_on_b(model_dir: str, tier: str, prompt: list[int], seed: str = "kvserve"):
+    b = make_engine(model_dir, tier, seed)
+    try:
+        (out,) = _run(b, [prompt], 12)
+        drain(b)
+        return out, tier_row(b), b.engine.runner.kv_block_bytes() * CHUNK // 16
+    finally:
+        b.shutdown()
+
+
+def check_window_hit(gemma3, tier: str, seed: str = "kvserve") -> None:
+    d, hf = gemma3
+    a = _prompts(51, [260])[0]
+    a_out = store_on_a(d, tier, a, seed)
+    assert a_out == hf.greedy(a, 4)
+    b = a[:256] + _prompts(52, [7])[0]
+    out, row, chunk_bytes = hit_on_b(d, tier, b, seed)
+    assert out.num_cached_tokens == out.metrics.num_external_cached_tokens == 256
+    assert out.outputs[0].token_ids == hf.greedy(b, 12)
+    # The full group's 4 chunks, each sliding group's window chunk (keys [225, 256): chunk
+    # 3): 9 chunks of one layer, not the 24 every layer's chunks of 256 tokens would be.
+    assert row["hits"] == 4 + (GROUPS - 1) and row["corrupt"] == 0
+    assert row["read_bytes"] == 9 * chunk_bytes
+
+
+def test_fs_tier_hit_on_a_fresh_engine_reads_only_windows(gemma3, tmp_path):
+    check_window_hit(gemma3, f"fs:path={tmp_path / 'shared'},size=0.05")
+
+
+def test_redis_tier_hit_on_a_fresh_engine_reads_only_windows(gemma3, redis_server):
+    # Own hash seed: a namespace no other test of the session's server writes.
+    check_window_hit(gemma3, f"redis:url={redis_server.url}", seed="groups-redis")
+
+
+def test_foreign_group_or_corrupt_chunk_is_a_miss(gemma3, tmp_path):
+    """Group 3's chunk copied over group 2's, and group 4's bit-flipped: B reads them, finds
+    the header's key (or the hash) wrong, and recomputes; the output never changes."""
+    d, hf = gemma3
+    root = tmp_path / "shared"
+    tier = f"fs:path={root},size=0.05"
+    a = _prompts(61, [260])[0]
+    store_on_a(d, tier, a)
+    last = Request("x", a, Params(), block_size=16).block_hashes[15]  # chunk 3's key
+    (ns,) = list(Path(root).iterdir())
+
+    def path(g: int) -> Path:
+        key = group_chunk_key(last, g)
+        return ns / key[:1].hex() / f"{key.hex()}.kvc"
+
+    shutil.copyfile(path(3), path(2))
+    data = bytearray(path(4).read_bytes())
+    data[-100] ^= 0x10
+    path(4).write_bytes(bytes(data))
+    b = a[:256] + _prompts(62, [7])[0]
+    out, row, _ = hit_on_b(d, tier, b)
+    assert out.outputs[0].token_ids == hf.greedy(b, 12)
+    assert row["corrupt"] == 2
+    # Without groups 2 and 4's window the 256-token hit is gone: B recomputed it.
+    assert out.metrics.num_external_cached_tokens == 0
