@@ -48,6 +48,7 @@ _DEFAULT_WINDOW = 65535
 _WINDOW = 1 << 24  # what we let a peer send ahead, per stream and per connection
 _MAX_FRAME = 1 << 20  # the largest frame we accept (a 1 MB body in one or two)
 _MAX_WINDOW = (1 << 31) - 1
+_MAX_HEADER_BLOCK = 1 << 20  # a header block spread over CONTINUATION frames, at most
 _RESPONSE_HEADERS = encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
 _TRAILERS_OK = encode_headers([(b"grpc-status", b"0")])
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # kept as is
@@ -342,6 +343,8 @@ class Http2Connection(asyncio.Protocol):
             if self._continuation is None or self._continuation[0] != sid:
                 raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
             self._continuation[2].extend(payload)
+            if len(self._continuation[2]) > _MAX_HEADER_BLOCK:
+                raise _ConnectionError(PROTOCOL_ERROR, "header block too large")
             if flags & END_HEADERS:
                 first_sid, first_flags, block = self._continuation
                 self._continuation = None
