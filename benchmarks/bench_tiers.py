@@ -996,6 +996,107 @@ def bench_decode(st: Setup, args, progress) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------ 4c
+def bench_write_cost(st: Setup, args, progress) -> dict:
+    """Measurement 4c: what tier writes cost the engine's process, without the model. The main
+    thread runs a pure-Python loop (the engine thread's kind of work between torch calls)
+    for ``probe_s`` seconds while a feeder keeps ``probe_mb_s`` MB/s of chunks from a shared
+    host tier going into disk, fs and redis: writes in writer threads of this process, in the
+    writer process, or none; rounds interleaved, the order rotating. Reported: the loop's rate
+    against no writes (GIL hand-offs and CPU taken from this process), this process's and the
+    writer process's CPU seconds per chunk written."""
+    from kvserve.kv.backends import create_backend
+    from kvserve.kv.backends.base import ChunkLayout
+    from kvserve.kv.backends.chunk_format import ChunkCodec
+    from kvserve.kv.backends.cpu import CpuBackend
+    from kvserve.kv.backends.storage import parse_tier_spec
+
+    st.flush_redis()
+    root = st.subdir("cost")
+    chunk_bytes = args.chunk_tokens * st.kv_bytes_per_token
+    layout = ChunkLayout(1, args.chunk_tokens, 1, st.kv_bytes_per_token // 4, "bfloat16")
+    assert layout.chunk_bytes == chunk_bytes  # K and V, 2 bytes each
+    host = CpuBackend(layout, 64 * chunk_bytes, shared=True)
+    for s in range(host.num_slots):  # distinct bytes (a Redis server compares nothing)
+        host.slots_u8[s].numpy()[::4096] = s
+    codec = ChunkCodec("0123456789abcdef", layout.describe(), chunk_bytes)
+    specs = [parse_tier_spec(x) for x in st.tier_specs(TIER_ORDER, root, 4 << 30)]
+    tiers = [create_backend(sp.type, codec, **sp.options) for sp in specs]
+    workers = {
+        "thread": StorageWorker(tiers),
+        "proc": StorageWorker(tiers, write_process=True, host=host, specs=specs),
+    }
+    writer_pid = workers["proc"].writer.pid
+    acct = CpuAccount({"writer": writer_pid})
+
+    def spin(seconds: float) -> float:
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(1000):
+                pass
+            n += 1
+        return n / seconds
+
+    def run(mode: str) -> dict:
+        if mode == "none":
+            c0 = acct.snapshot()
+            rate = spin(args.probe_s)
+            return {"loop_rate": rate, "chunks": 0, "cpu": CpuAccount.diff(c0, acct.snapshot())}
+        w = workers[mode]
+        f = Feeder(w, host, args.probe_mb_s * 1e6, batch=4)
+        f.__enter__()
+        time.sleep(0.2)  # the stream under way
+        c0 = acct.snapshot()
+        w0 = sum(t.stats.written for t in tiers)
+        rate = spin(args.probe_s)
+        c1 = acct.snapshot()
+        w1 = sum(t.stats.written for t in tiers)
+        f.__exit__(None, None, None)
+        for _ in w.poll():
+            pass
+        cpu = CpuAccount.diff(c0, c1)
+        chunks = (w1 - w0) / len(tiers)
+        return {"loop_rate": rate, "chunks": chunks, "cpu": cpu}
+
+    conds = ["none", "thread", "proc"]
+    rows: dict[str, list[dict]] = {c: [] for c in conds}
+    try:
+        for i in range(args.probe_rounds):
+            for c in conds[i % 3 :] + conds[: i % 3]:
+                rows[c].append(run(c))
+            progress(
+                "write cost round "
+                + f"{i + 1}: loop rate vs none: "
+                + ", ".join(
+                    f"{c} {rows[c][-1]['loop_rate'] / rows['none'][-1]['loop_rate']:.3f}"
+                    for c in conds[1:]
+                )
+            )
+    finally:
+        workers["proc"].shutdown()  # closes the tiers
+        workers["thread"]._reads.shutdown(wait=True)
+        workers["thread"]._writes.shutdown(wait=True)
+        host.close()
+    out: dict = {"probe_s": args.probe_s, "mb_s": args.probe_mb_s, "rounds": rows}
+    for c in conds[1:]:
+        pairs = [
+            a["loop_rate"] / b["loop_rate"] for a, b in zip(rows[c], rows["none"], strict=True)
+        ]
+        chunks = sum(r["chunks"] for r in rows[c])
+        proc_cpu = sum(r["cpu"]["process"] for r in rows[c]) - sum(
+            r["cpu"]["process"] for r in rows["none"]
+        )
+        writer_cpu = sum(r["cpu"].get("proc:writer", 0.0) for r in rows[c])
+        out[c] = {
+            "loop_ratio": statistics.median(pairs),
+            "paired": sorted(pairs),
+            "chunks_per_s": chunks / (args.probe_s * len(rows[c])),
+            "process_cpu_ms_per_chunk": 1e3 * proc_cpu / chunks if chunks else None,
+            "writer_cpu_ms_per_chunk": 1e3 * writer_cpu / chunks if chunks else None,
+        }
+    return out
+
+
 # ------------------------------------------------------------------------------ 5
 def bench_hit_rate(st: Setup, args, progress) -> dict:
     L = args.ws_prompt_len
@@ -1136,7 +1237,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--ws-batch", type=int, default=8)
     ap.add_argument("--hit-rates", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--read-rounds", type=int, default=7, help="interleaved rounds of 3")
-    ap.add_argument("--skip", nargs="*", default=[], help="ttft read cross decode hitrate")
+    ap.add_argument("--probe-s", type=float, default=3.0, help="seconds of each run of 4c")
+    ap.add_argument("--probe-rounds", type=int, default=5, help="interleaved rounds of 4c")
+    ap.add_argument("--probe-mb-s", type=float, default=60.0, help="4c's stream, MB/s")
+    ap.add_argument("--skip", nargs="*", default=[], help="ttft read cross decode cost hitrate")
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--out", default=None, help="results basename (default tiers_<preset>)")
     args = ap.parse_args(argv)
@@ -1158,7 +1262,9 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = parse_args(argv)
-    steps = [s for s in ("ttft", "read", "cross", "decode", "hitrate") if s not in args.skip]
+    steps = [
+        s for s in ("ttft", "read", "cross", "decode", "cost", "hitrate") if s not in args.skip
+    ]
     st = Setup(args)
     res: dict = {"preset": args.preset, "args": vars(args)}
     res["tier_dir"] = str(st.dir)
@@ -1180,6 +1286,7 @@ def main(argv: list[str] | None = None) -> dict:
             "read": bench_read_ratio,
             "cross": bench_cross_instance,
             "decode": bench_decode,
+            "cost": bench_write_cost,
             "hitrate": bench_hit_rate,
         }
         try:
@@ -1296,6 +1403,17 @@ def report(res: dict, name: str) -> str:
             f"tiers' CPU) | {d['accounted_ratio']:.3f} (tiers: {d['tier_cpu_s_per_GB']:.2f} CPU "
             f"s per GB stored) | {_goal(d['accounted_ratio'], 0.97)} |"
         )
+    if "cost" in res:
+        c = res["cost"]
+        for mode, label in (("proc", "the writer process"), ("thread", "writer threads")):
+            v = c[mode]
+            lines.append(
+                f"| 4c. a Python loop in the engine's process while {c['mb_s']:g} MB/s go to "
+                f"disk + fs + redis through {label} / no writes | {v['loop_ratio']:.3f} (paired "
+                f"{', '.join(f'{p:.3f}' for p in v['paired'])}; {v['chunks_per_s']:.0f} chunks/s"
+                f" written; CPU per chunk: this process {v['process_cpu_ms_per_chunk']:.2f} ms, "
+                f"the writer process {v['writer_cpu_ms_per_chunk']:.2f} ms) | - |"
+            )
     if "hitrate" in res:
         h = res["hitrate"]
         top = h["points"][-1]
@@ -1376,6 +1494,12 @@ def report(res: dict, name: str) -> str:
         "writers under `SCHED_IDLE` (the default), nice 19, or as the engine's threads, `gap` "
         "= writes paused while a step's forward runs (`kv_tier_write_pause`), `srvidle` = the "
         "local Valkey server under `SCHED_IDLE` too. Each chunk is hashed once for all tiers.",
+        "- 4c: no model: the main thread counts iterations of a pure-Python loop (what the "
+        "engine thread does between torch calls) while a feeder thread submits chunks from a "
+        "host tier in shared memory at a fixed rate to a storage worker over disk + fs + "
+        "redis, its writes in writer threads of this process or in its writer process, or "
+        "no writes; interleaved rounds. CPU per chunk: this process's CPU time above the "
+        "no-write runs' (the feeder's included), the writer process's from `/proc/PID/stat`.",
     ]
     return "\n".join(lines) + "\n"
 
