@@ -19,7 +19,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams as Params
 from kvserve.kv.backends.chunk_format import group_chunk_key
 from kvserve.model.presets import make_model
-from tests.engine.test_kv_groups import _prompts, _run
+from tests.engine.test_kv_groups import _greedy, _prompts, _run
 from tests.engine.test_llm_parity import HFOracle
 
 CHUNK = 64  # tokens per offload chunk: 4 blocks of 16
@@ -81,12 +81,12 @@ def hit_on_b(model_dir: str, tier: str, prompt: list[int], seed: str = "kvserve"
         b.shutdown()
 
 
-def check_window_hit(gemma3, tier: str, seed: str = "kvserve") -> None:
+def check_window_hit(gemma3, tier: str, seed: str = "kvserve", suffix: int = 7) -> None:
     d, hf = gemma3
     a = _prompts(51, [260])[0]
     a_out = store_on_a(d, tier, a, seed)
     assert a_out == hf.greedy(a, 4)
-    b = a[:256] + _prompts(52, [7])[0]
+    b = a[:256] + _prompts(52, [suffix])[0]
     out, row, chunk_bytes = hit_on_b(d, tier, b, seed)
     assert out.num_cached_tokens == out.metrics.num_external_cached_tokens == 256
     assert out.outputs[0].token_ids == hf.greedy(b, 12)
@@ -101,8 +101,11 @@ def test_fs_tier_hit_on_a_fresh_engine_reads_only_windows(gemma3, tmp_path):
 
 
 def test_redis_tier_hit_on_a_fresh_engine_reads_only_windows(gemma3, redis_server):
+    """A prompt longer than what A stored (a hit shorter than the longest looked for): the
+    sliding groups' window lookups follow the full group's run."""
     # Own hash seed: a namespace no other test of the session's server writes.
-    check_window_hit(gemma3, f"redis:url={redis_server.url}", seed="groups-redis")
+    tier = f"redis:url={redis_server.url}"
+    check_window_hit(gemma3, tier, seed="groups-redis", suffix=100)
 
 
 def test_foreign_group_or_corrupt_chunk_is_a_miss(gemma3, tmp_path):
@@ -130,3 +133,33 @@ def test_foreign_group_or_corrupt_chunk_is_a_miss(gemma3, tmp_path):
     assert row["corrupt"] == 2
     # Without groups 2 and 4's window the 256-token hit is gone: B recomputed it.
     assert out.metrics.num_external_cached_tokens == 0
+
+
+def test_mistral_sliding_group_from_a_disk_tier(tmp_path):
+    """A window in every layer (one sliding group) on a disk tier (lookups from its index in
+    memory): only the window's chunk comes back from disk, output equals recompute."""
+    d = str(make_model(tmp_path, "tiny-mistral-sw"))  # window 48, 4 layers
+    llm = LLM(d, block_size=16, num_kv_blocks=400, kv_offload_size=0.02, dtype="float32",
+              debug=True, max_num_batched_tokens=100, kv_offload_block_size=CHUNK,
+              kv_tier=[f"disk:path={tmp_path / 'disk'},size=0.05"])  # fmt: skip
+    try:
+        kvm = llm.engine.kv_cache_manager
+        assert kvm.num_groups == 1 and kvm.sliding_managers
+        assert llm.engine.connector._lookup_in_memory
+        a = _prompts(71, [250])[0]
+        _run(llm, [a], 4, window_bound=False)
+        drain(llm)
+        assert llm.reset_prefix_cache()
+        llm.engine.connector.manager.clear()  # only the disk tier holds it now
+        b = a[:240] + _prompts(72, [9])[0]
+        (out,) = _run(llm, [b], 12, window_bound=False)
+        drain(llm)
+        # A 192-token hit: keys [145, 192) are chunk 2 only (of 3).
+        assert out.metrics.num_external_cached_tokens == 192
+        row = tier_row(llm)
+        assert row["hits"] == 1 and row["read_bytes"] == 4 * llm.engine.runner.kv_block_bytes()
+    finally:
+        llm.shutdown()
+    ref = LLM(d, block_size=16, dtype="float32", enable_prefix_caching=False, kv_groups=False)
+    (want,) = ref.generate([b], _greedy(12))
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids

@@ -55,7 +55,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -175,6 +175,8 @@ class _GroupStage:
     slots: list[int] = field(default_factory=list)
     reading: bool = False
     room_since: float | None = None  # waiting for host slots to stage into, since
+    end: int = 0  # the longest hit looked for: chunks first .. end - 1
+    windows_checked: bool = False  # the sliding groups' lookups follow the full groups' run
     done: bool = False
 
 
@@ -362,12 +364,7 @@ class OffloadingConnector(KVConnectorBase):
                 for j, key in enumerate(keys[n:], n)
             )
 
-        for g, window in enumerate(self.group_windows):
-            if window is None and end > first:
-                n = mgr.lookup(self._chunk_keys(request, first, end, g))
-                if stage is not None and first + n >= stage.starts[g]:
-                    n = max(n, stage.starts[g] + len(stage.sources[g] or []) - first)
-                end = min(end, first + n)
+        end = self._full_end(request, first, end, stage)
         while end > first:
             hit = min(end * ct, request.num_tokens - 1)
             if all(
@@ -378,6 +375,20 @@ class OffloadingConnector(KVConnectorBase):
                 return end - first
             end -= 1
         return 0
+
+    def _full_end(
+        self, request: Request, first: int, end: int, stage: _GroupStage | None = None
+    ) -> int:
+        """End of the leading run of chunks from ``first`` every full-attention group holds
+        (in the host tier or, with ``stage``, found below it)."""
+        mgr = self._mgr()
+        for g, window in enumerate(self.group_windows):
+            if window is None and end > first:
+                n = mgr.lookup(self._chunk_keys(request, first, end, g))
+                if stage is not None and first + n >= stage.starts[g]:
+                    n = max(n, stage.starts[g] + len(stage.sources[g] or []) - first)
+                end = min(end, first + n)
+        return end
 
     def _group_needs(self, request: Request, first: int, end: int) -> list[tuple[int, int, bytes]]:
         """``(chunk, group, key)`` of every chunk a hit of chunks ``first .. end - 1`` loads:
@@ -398,11 +409,12 @@ class OffloadingConnector(KVConnectorBase):
 
     def _stage_group_hits(self, rid: str, request: Request, first: int, n_usable: int) -> bool:
         """Stage the storage-tier chunks that extend ``request``'s host-tier hit into host
-        slots, per KV cache group: lookups (full groups from their host run's end, sliding
-        groups from the earliest window a hit could need), then one read of the chunks the
-        longest hit needs that the host tier lacks (a sliding group's older chunks are never
-        read). False while a lookup or read runs: ask again next step. Past
-        ``kv_tier_lookup_timeout`` of lookup or of waiting for host room, no storage hit."""
+        slots, per KV cache group: lookups (full groups' chunks, sliding groups' window
+        before the longest hit; again for the windows when the full groups' run is shorter),
+        then one read of the chunks the longest hit needs that the host tier lacks (a sliding
+        group's older chunks are never read, nor looked up). False while a lookup or read
+        runs: ask again next step. Past ``kv_tier_lookup_timeout`` of lookup or of waiting
+        for host room, no storage hit."""
         assert self.storage is not None
         stage = self._group_stages.get(rid)
         if stage is not None and stage.first != first:  # its primary hit changed
@@ -425,8 +437,18 @@ class OffloadingConnector(KVConnectorBase):
             stage.lookups.clear()
             stage.done = True
             return True
+        if not stage.windows_checked:  # the full groups' run is known now
+            stage.windows_checked = True
+            end = self._full_end(request, first, stage.end, stage)
+            if end < stage.end:
+                stage.end = end
+                sliding = [g for g, w in enumerate(self.group_windows) if w is not None]
+                if end > first and sliding:
+                    self._stage_lookups(stage, request, sliding)
+                    if stage.lookups:
+                        return False
         mgr = self._mgr()
-        hits = self._group_hits(request, first, n_usable, stage)
+        hits = self._group_hits(request, first, stage.end, stage)
         want: list[tuple[int, bytes, int]] = []  # (chunk, key, tier)
         for i, g, key in self._group_needs(request, first, first + hits):
             if not mgr.lookup([key]):
@@ -468,28 +490,40 @@ class OffloadingConnector(KVConnectorBase):
         return False
 
     def _start_group_stage(self, request: Request, first: int, n_usable: int) -> _GroupStage:
-        """A stage's storage-tier lookups: each group's chunks past its host-tier run."""
+        """A stage for a hit of chunks ``first .. n_usable - 1``, its lookups started."""
+        num_groups = len(self.group_windows)
+        stage = _GroupStage(
+            first, time.monotonic(), [first] * num_groups, [[] for _ in range(num_groups)]
+        )
+        stage.end = n_usable
+        self._stage_lookups(stage, request, range(num_groups))
+        return stage
+
+    def _stage_lookups(self, stage: _GroupStage, request: Request, groups: Iterable[int]) -> None:
+        """Look ``groups``' chunks up below the host tier, for a hit of chunks up to
+        ``stage.end``: a full group's from ``stage.first``, a sliding group's those covering
+        its window before the hit point; each from the end of its host-tier run."""
         assert self.storage is not None
         mgr = self._mgr()
-        ct = self.chunk_tokens
-        h_min = min((first + 1) * ct, request.num_tokens - 1)  # the earliest hit point
-        stage = _GroupStage(first, time.monotonic(), [], [])
-        for g, window in enumerate(self.group_windows):
-            lo = first if window is None else max(first, (h_min - window + 1) // ct)
-            keys = self._chunk_keys(request, lo, n_usable, g)
+        ct, first = self.chunk_tokens, stage.first
+        hit = min(stage.end * ct, request.num_tokens - 1)
+        for g in groups:
+            window = self.group_windows[g]
+            lo = first if window is None else max(first, (hit - window + 1) // ct)
+            hi = stage.end if window is None else -(-hit // ct)
+            keys = self._chunk_keys(request, lo, hi, g)
             n = mgr.lookup(keys)
-            stage.starts.append(lo + n)
+            stage.starts[g] = lo + n
             rest = keys[n:]
             if not rest:
-                stage.sources.append([])
+                stage.sources[g] = []
             elif self._lookup_in_memory:
-                stage.sources.append(self.storage.lookup_now(rest))
+                stage.sources[g] = self.storage.lookup_now(rest)
             else:
-                stage.sources.append(None)
+                stage.sources[g] = None
                 op = self.storage.lookup(rest)
                 stage.lookups[op] = g
                 self._stage_ops[op] = stage
-        return stage
 
     def _drop_stage(self, rid: str) -> None:
         """Forget a request's stage; a read in flight still ends (its slots are settled)."""
@@ -1149,7 +1183,12 @@ class OffloadingConnector(KVConnectorBase):
 
     # ================================ storage tiers =====================================
     def has_pending_work(self) -> bool:
-        return bool(self._write_ops) or bool(self._write_retries) or bool(self._spill_ops)
+        return (
+            bool(self._write_ops)
+            or bool(self._write_retries)
+            or bool(self._spill_ops)
+            or bool(self._stage_ops)
+        )
 
     def _write_spilled(self, keys: list[bytes], copied: bool) -> None:
         """Spilled chunks were copied to their spill slots: write them to the storage tiers
