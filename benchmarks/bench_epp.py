@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -136,8 +137,13 @@ async def _measure(
             cpu = {name: 0.0 for procs in pids.values() for name in procs}
             n = dict.fromkeys(urls_of, 0)
             msgs = {arm: [0, 0] for arm in ext_proc_stats}  # ext_proc messages to / from
+            order = list(urls_of)
             for k in range(args.blocks):
-                for arm, urls in urls_of.items():
+                # A new order every round (seeded): no arm always follows the same one (the
+                # first EPP arm after others' blocks found the shared process cold, ~0.4 ms)
+                random.Random(k).shuffle(order)
+                for arm in order:
+                    urls = urls_of[arm]
                     procs = pids.get(arm, {})
                     m0 = _ext_proc_msgs(ext_proc_stats.get(arm))
                     c0 = {name: sum(overhead.proc_cpu_s(pid)) for name, pid in procs.items()}
@@ -417,9 +423,9 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "",
         "## 1. Added latency (fast fake backends, 1,024-token prompts, open-loop Poisson)",
         "",
-        "Arms rotate in blocks of "
-        f"{args.block_s:g} s ({args.blocks} per arm and rate). EPP added = Envoy+EPP - Envoy "
-        "fixed upstream; router added = HTTP router - direct; null processor added = Envoy with",
+        f"Arms rotate in blocks of {args.block_s:g} s ({args.blocks} per arm and rate, a new "
+        "order each round). EPP added = Envoy+EPP - Envoy fixed upstream; router added = HTTP "
+        "router - direct; null processor added = Envoy with",
         "a do-nothing ext_proc service on the EPP's transport (BUFFERED, fixed pick) - Envoy",
         "fixed: the floor of any EPP on it. "
         + (
