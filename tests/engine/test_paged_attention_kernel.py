@@ -204,6 +204,30 @@ def test_null_block_padding_and_poison_ignored():
     torch.testing.assert_close(out[1:].double(), reference(q[1:], k, v, d**-0.5), **FP32_TOL)
 
 
+def test_bf16_poison_next_to_an_odd_context_ignored():
+    """bf16 paths that read keys 16 at a time or pair tokens (avx512bf16) must not read the
+    slot after a context's last token: NaNs there stay out of decodes and prefill tiles."""
+    bs, hkv, g, d = 8, 2, 4, 64
+    cache = torch.full((6, 1, 2, bs, hkv, d), float("nan"), dtype=torch.bfloat16)
+    k, v = torch.randn(13, hkv, d).bfloat16(), torch.randn(13, hkv, d).bfloat16()
+    for p in range(3):  # request 1's cached prefix: 3 tokens in block 4
+        cache[4, 0, 0, p], cache[4, 0, 1, p] = k[p], v[p]
+    kd, vd = torch.randn(5, hkv, d).bfloat16(), torch.randn(5, hkv, d).bfloat16()
+    for p in range(4):  # request 0 (a decode): 4 cached tokens in block 2
+        cache[2, 0, 0, p], cache[2, 0, 1, p] = kd[p], vd[p]
+    meta = AttentionMetadata.build(
+        block_size=bs, query_lens=[1, 10], num_computed=[4, 3], block_tables=[[2], [4, 1]]
+    )
+    q = torch.randn(11, hkv * g, d).bfloat16()
+    k_new, v_new = torch.cat([kd[4:], k[3:]]), torch.cat([vd[4:], v[3:]])
+    out = NativeAttentionBackend().forward(q, k_new, v_new, cache[:, 0], meta, d**-0.5)
+    assert not out.isnan().any()
+    for rows, kk, vv in ((slice(0, 1), kd, vd), (slice(1, 11), k, v)):
+        atol = BF16_TOL["atol"] + BF16_P_ATOL * vv.abs().max().item()
+        ref = reference(q[rows], kk, vv, d**-0.5)
+        torch.testing.assert_close(out[rows].double(), ref, rtol=2**-8, atol=atol)
+
+
 def test_bad_block_id_raises_instead_of_reading_out_of_bounds():
     cache = torch.zeros(4, 1, 2, 4, 2, 16)
     meta = AttentionMetadata.build(
