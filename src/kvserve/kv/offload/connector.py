@@ -170,7 +170,7 @@ class _GroupStage:
     started: float
     starts: list[int]
     sources: list[list[int] | None]  # per group: tier of each chunk from starts[g]; None: asked
-    lookups: dict[int, int] = field(default_factory=dict)  # lookup op -> group, in flight
+    lookups: dict[int, list[int]] = field(default_factory=dict)  # op -> its groups, in flight
     keys: list[bytes] = field(default_factory=list)  # chunks being read into host slots
     slots: list[int] = field(default_factory=list)
     reading: bool = False
@@ -507,6 +507,7 @@ class OffloadingConnector(KVConnectorBase):
         mgr = self._mgr()
         ct, first = self.chunk_tokens, stage.first
         hit = min(stage.end * ct, request.num_tokens - 1)
+        runs: dict[int, list[bytes]] = {}  # group -> keys to look up (one operation)
         for g in groups:
             window = self.group_windows[g]
             lo = first if window is None else max(first, (hit - window + 1) // ct)
@@ -521,9 +522,11 @@ class OffloadingConnector(KVConnectorBase):
                 stage.sources[g] = self.storage.lookup_now(rest)
             else:
                 stage.sources[g] = None
-                op = self.storage.lookup(rest)
-                stage.lookups[op] = g
-                self._stage_ops[op] = stage
+                runs[g] = rest
+        if runs:
+            op = self.storage.lookup_runs(list(runs.values()))
+            stage.lookups[op] = list(runs)
+            self._stage_ops[op] = stage
 
     def _drop_stage(self, rid: str) -> None:
         """Forget a request's stage; a read in flight still ends (its slots are settled)."""
@@ -1244,7 +1247,10 @@ class OffloadingConnector(KVConnectorBase):
             if res.kind == "read":
                 self._stage_read_done(stage, res)
             else:
-                stage.sources[stage.lookups.pop(res.op_id)] = res.sources
+                groups = stage.lookups.pop(res.op_id)
+                runs = res.runs + [[]] * (len(groups) - len(res.runs))  # failed: misses
+                for g, sources in zip(groups, runs, strict=False):
+                    stage.sources[g] = sources
             return
         if res.kind == "lookup":
             rid = self._lookup_ops.pop(res.op_id, None)

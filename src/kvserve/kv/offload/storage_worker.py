@@ -72,6 +72,7 @@ class StorageResult:
     op_id: int
     kind: str  # "lookup" | "read" | "write"
     sources: list[int] = field(default_factory=list)
+    runs: list[list[int]] = field(default_factory=list)  # lookup_runs: each run's sources
     ok: list[bool] = field(default_factory=list)
     stored: dict[int, list[bytes]] = field(default_factory=dict)
     nbytes: int = 0
@@ -177,6 +178,18 @@ class StorageWorker:
         """Start a lookup of ``keys`` (in prefix order); returns its op id."""
         op = next(self._ids)
         self._start(self._reads, op, "lookup", lambda: self._lookup(op, list(keys)))
+        return op
+
+    def lookup_runs(self, runs: Sequence[Sequence[bytes]]) -> int:
+        """Start lookups of several runs of keys (each in prefix order; KV cache groups) as one
+        operation, whose result's ``runs`` holds each run's sources; returns its op id."""
+        op = next(self._ids)
+        lists = [list(keys) for keys in runs]
+
+        def run() -> StorageResult:
+            return StorageResult(op, "lookup", runs=[self._lookup(op, k).sources for k in lists])
+
+        self._start(self._reads, op, "lookup", run)
         return op
 
     def lookup_now(self, keys: Sequence[bytes]) -> list[int]:
