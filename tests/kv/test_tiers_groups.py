@@ -18,6 +18,7 @@ from kvserve import LLM
 from kvserve.engine.request import Request
 from kvserve.engine.sampling_params import SamplingParams as Params
 from kvserve.kv.backends.chunk_format import group_chunk_key
+from kvserve.kv.events import BlockRemoved, BlockStored
 from kvserve.model.presets import make_model
 from tests.engine.test_kv_groups import _greedy, _prompts, _run
 from tests.engine.test_llm_parity import HFOracle
@@ -163,3 +164,24 @@ def test_mistral_sliding_group_from_a_disk_tier(tmp_path):
     ref = LLM(d, block_size=16, dtype="float32", enable_prefix_caching=False, kv_groups=False)
     (want,) = ref.generate([b], _greedy(12))
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_private_tier_events_name_their_group(gemma3, tmp_path):
+    """A small disk tier (private: its events list its chunks) stores every group's chunks
+    and evicts some: BlockStored and BlockRemoved of the STORAGE medium carry the group."""
+    d, _ = gemma3
+    tier = f"disk:path={tmp_path / 'disk'},size={12 * (64 << 10) + 12 * 4096}B"
+    llm = make_engine(d, tier)
+    try:
+        for seed in (81, 82):
+            _run(llm, _prompts(seed, [260]), 2)
+            drain(llm)
+        events = [e for e in llm.engine.take_kv_events() if e.medium == "STORAGE"]
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        removed = [e for e in events if isinstance(e, BlockRemoved)]
+        assert {e.group_idx for e in stored} == set(range(GROUPS))
+        assert removed and {e.group_idx for e in removed} - {0}
+        windows = {e.group_idx: e.kv_cache_spec_sliding_window for e in stored}
+        assert windows[0] is None and all(windows[g] == 32 for g in range(1, GROUPS))
+    finally:
+        llm.shutdown()

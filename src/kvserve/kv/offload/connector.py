@@ -249,7 +249,8 @@ class OffloadingConnector(KVConnectorBase):
         self._reads_to_start: list[tuple[int, list[ReadItem]]] = []
         self._events: list[AnyKVEvent] = []
         # Block hashes of chunks in private storage tiers (for BlockRemoved on eviction).
-        self._tier_blocks: list[dict[bytes, list[int]]] = []
+        # (with the chunk's KV cache group)
+        self._tier_blocks: list[dict[bytes, tuple[list[int], int]]] = []
         self._pause_writes = False  # kv_tier_write_pause (set with the storage worker)
         # KV cache groups (bind_kv_cache_manager): the window of each (None: full attention).
         self.kvm: KVCacheManager | None = None
@@ -1344,7 +1345,7 @@ class OffloadingConnector(KVConnectorBase):
             if m is None:
                 continue
             if not tier.shared:
-                self._tier_blocks[t][key] = m.block_hashes
+                self._tier_blocks[t][key] = (m.block_hashes, m.group_idx)
             self._events.append(
                 BlockStored(
                     block_hashes=list(m.block_hashes),
@@ -1354,6 +1355,9 @@ class OffloadingConnector(KVConnectorBase):
                     medium=tier.medium,
                     lora_name=m.lora_name,
                     extra_keys=m.extra_keys,
+                    group_idx=m.group_idx,
+                    kv_cache_spec_kind=m.kv_cache_spec_kind,
+                    kv_cache_spec_sliding_window=m.kv_cache_spec_sliding_window,
                     **tier.event_fields(),
                 )
             )
@@ -1363,10 +1367,16 @@ class OffloadingConnector(KVConnectorBase):
             evicted = tier.take_evicted()
             blocks = self._tier_blocks[t]
             for key in evicted:
-                hashes = blocks.pop(key, None)
-                if hashes is not None and self.emit_events:
+                held = blocks.pop(key, None)
+                if held is not None and self.emit_events:
+                    hashes, group = held
                     self._events.append(
-                        BlockRemoved(block_hashes=hashes, medium=tier.medium, **tier.event_fields())
+                        BlockRemoved(
+                            block_hashes=hashes,
+                            medium=tier.medium,
+                            group_idx=group,
+                            **tier.event_fields(),
+                        )
                     )
 
     def shutdown(self) -> None:
