@@ -1,17 +1,15 @@
-"""The EPP's in-loop gRPC server and its HPACK, against a real gRPC client (grpcio) over
-loopback sockets: RFC 7541's examples, unary and streaming calls, flow control both ways
-(a 1 MB message each way through grpcio's 64 KiB windows), errors, cancellation."""
+"""The EPP's in-loop gRPC server (on h2), against a real gRPC client (grpcio) over loopback
+sockets: unary and streaming calls, flow control both ways (a 1 MB message each way through
+grpcio's 64 KiB windows), errors, cancellation, stop."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserve.cluster.epp import hpack
 from kvserve.cluster.epp.grpc_server import (
     INVALID_ARGUMENT,
     Call,
@@ -26,47 +24,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # A bidirectional method for the tests, reusing a protobuf message that carries bytes
 # (HealthCheckRequest.service is a string: echo text, including 1 MB of it).
 ECHO = "/test.Echo/Chat"
-
-
-def test_hpack_rfc7541_examples():
-    # C.1: integers
-    assert hpack.encode_int(10, 5) == bytes([10])
-    assert hpack.encode_int(1337, 5) == bytes([31, 154, 10])
-    assert hpack.encode_int(42, 8) == bytes([42])
-    # C.4: requests with Huffman coding, one connection (the dynamic table carries over)
-    d = hpack.Decoder()
-    blocks = [
-        "828684418cf1e3c2e5f23a6ba0ab90f4ff",
-        "828684be5886a8eb10649cbf",
-        "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf",
-    ]
-    got = [d.decode(bytes.fromhex(b)) for b in blocks]
-    assert got[0] == [
-        (b":method", b"GET"),
-        (b":scheme", b"http"),
-        (b":path", b"/"),
-        (b":authority", b"www.example.com"),
-    ]
-    assert got[1][-1] == (b"cache-control", b"no-cache")
-    assert got[2][-1] == (b"custom-key", b"custom-value")
-    assert got[2][1] == (b":scheme", b"https") and got[2][2] == (b":path", b"/index.html")
-    assert d.size == 164  # the table after C.4.3
-    assert hpack.huffman_encode(b"www.example.com").hex() == "f1e3c2e5f23a6ba0ab90f4ff"
-
-
-def test_huffman_every_octet_and_bad_input():
-    rng = random.Random(0)
-    for n in [0, 1, 7, 64, 256, 1000]:
-        data = bytes(rng.randrange(256) for _ in range(n))
-        assert hpack.huffman_decode(hpack.huffman_encode(data)) == data
-    everything = bytes(range(256))
-    assert hpack.huffman_decode(hpack.huffman_encode(everything)) == everything
-    with pytest.raises(hpack.HpackError):
-        hpack.huffman_decode(b"\xff\xff\xff\xff")  # EOS inside the string
-    with pytest.raises(hpack.HpackError):
-        hpack.huffman_decode(hpack.huffman_encode(b"a")[:0] + b"\x00")  # padding not all ones
-    with pytest.raises(hpack.HpackError):
-        hpack.Decoder().decode(b"\xbe")  # an index past both tables
 
 
 async def _chat(call: Call) -> None:
