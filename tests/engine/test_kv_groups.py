@@ -422,6 +422,38 @@ def test_gemma3_hit_loaded_from_the_host_tier_per_group(gemma3):
     assert not kvm._pins and kvm.get_num_free_blocks() == kvm.num_usable_blocks
 
 
+def test_gemma3_failed_host_load_before_the_window_restarts_the_request(gemma3):
+    """A host-tier chunk of the full group fails verification far before the hit's end: the
+    sliding groups hold only the window of the hit (the null block before it), so the
+    request cannot recompute from the bad chunk on; it starts over from a fresh lookup (the
+    bad chunk is gone from the tier: a shorter hit) and its output stays HF-exact."""
+    d, hf = gemma3
+    kw = dict(block_size=16, num_kv_blocks=900, max_num_batched_tokens=200, dtype="float32",
+              debug=True, kv_offload_size=0.05)  # fmt: skip
+    llm = LLM(d, **kw)
+    eng = llm.engine
+    conn = eng.connector
+    a = _prompts(41, [260])[0]
+    (out,) = _run(llm, [a], 4)
+    assert eng.reset_prefix_cache()  # only the host tier holds the prompt now
+    # Group 0's (full attention) chunk 1, tokens [64, 128), is corrupted in the host tier.
+    key = conn._chunk_keys(Request("x", a, Params(), block_size=16), 1, 2)[0]
+    slot = conn.manager.slot_of(key)
+    assert slot is not None
+    k = conn.blocks_per_chunk
+    conn.tier.blocks[slot * k : (slot + 1) * k].fill_(-1.0)
+    b = a[:256] + _prompts(42, [7])[0]
+    before = conn.stats().extra["invalid_chunks"]
+    (out,) = _run(llm, [b], 12)
+    assert conn.stats().extra["invalid_chunks"] == before + 1
+    assert out.outputs[0].token_ids == hf.greedy(b, 12)
+    # The second lookup: chunk 0 of every group (the sliding groups' window before token 64).
+    assert out.num_cached_tokens == out.metrics.num_external_cached_tokens == 64
+    eng.check_integrity()
+    kvm = eng.kv_cache_manager
+    assert not kvm._pins and kvm.get_num_free_blocks() == kvm.num_usable_blocks
+
+
 def test_mistral_sliding_group_offload_hit_matches_recompute(tmp_path):
     """A window in every layer is one sliding group: the host tier stores and loads it per
     group too (its blocks before the window are the null block), never the null block."""

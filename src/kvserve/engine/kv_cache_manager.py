@@ -345,6 +345,16 @@ class KVCacheManager:
         for m in self.managers:
             m.uncache_from(request.request_id, block_index)
 
+    def can_resume_at(self, request_id: str, num_tokens: int) -> bool:
+        """The request can compute on from token ``num_tokens`` with the blocks it holds:
+        every sliding group holds real blocks from the window a query there reads onwards
+        (entries a window no longer read are the null block: never written, never read)."""
+        for m in self.sliding_managers:
+            first = max(0, num_tokens - m.window + 1) // self.block_size
+            if any(b.is_null for b in m.req_to_blocks.get(request_id, [])[first:]):
+                return False
+        return True
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its tail."""
         rid = request.request_id

@@ -69,6 +69,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Rejected at admission, reported by the next update_from_output().
         self._ignored: list[Request] = []
+        # Running requests restarted by a failed load (see _handle_invalid_blocks).
+        self._restarted: set[str] = set()
         # Admitted with a synchronous external load this step: cache their blocks after it.
         self._cache_after_step: set[str] = set()
         # Waiting for an asynchronous KV load (WAITING_FOR_REMOTE_KVS): they hold blocks and
@@ -211,6 +213,9 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         out.finished_req_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        if self._restarted:  # restarted by the last step's results: flushed like preemptions
+            out.preempted_req_ids |= self._restarted
+            self._restarted = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -326,6 +331,21 @@ class Scheduler:
         if self.enable_chunked_prefill or num_new <= budget:
             return True
         return request.num_preemptions > 0 and budget == self.max_num_batched_tokens
+
+    def _restart(self, request: Request) -> None:
+        """Free every block of ``request`` and queue it to be computed from its first token
+        (a running one as a preemption: the connector finishes stores from its blocks first,
+        at the next step)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._preempt(request)
+            self._restarted.add(request.request_id)
+        else:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        # What the first admission served is void: the next one reports its own hits.
+        request.num_cached_tokens = -1
+        request.num_external_computed_tokens = 0
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -445,6 +465,12 @@ class Scheduler:
                 rolled_back.add(request.request_id)
                 self._cache_after_step.discard(request.request_id)
             request.num_computed_tokens = min(request.num_computed_tokens, valid_tokens)
+            if not self.kv.can_resume_at(request.request_id, request.num_computed_tokens):
+                # A sliding group holds only the window of the load's end (the null block
+                # before it): recomputing from here would write and read the null block.
+                # Start over, from a fresh lookup.
+                self._restart(request)
+                continue
             # Report only what was really served from outside the primary pool.
             if request.num_external_computed_tokens > 0:
                 hit = max(0, request.num_cached_tokens)
