@@ -130,3 +130,47 @@ def test_stop_ends_open_calls_and_refuses_new_ones():
             assert await asyncio.wait_for(call.code(), 10) != grpc.StatusCode.OK
 
     asyncio.run(run())
+
+
+def test_many_streams_oversized_message_and_not_http2():
+    """Past h2's default of 100 concurrent streams (a limit the EPP must not have: Envoy keeps
+    one stream per HTTP request in flight); a message over the limit; a client that does not
+    speak HTTP/2 loses its connection, not the server."""
+
+    async def run() -> None:
+        server = GrpcServer(
+            {ECHO: Method(health_pb2.HealthCheckRequest, _chat)}, max_message_bytes=1000
+        )
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(reader.read(), 10)  # (h2's GOAWAY, then EOF)
+        assert reader.at_eof()
+        writer.close()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            chat = ch.stream_stream(
+                ECHO,
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckRequest.FromString,
+            )
+            calls = [chat() for _ in range(150)]  # all open at once, on one connection
+            for i, call in enumerate(calls):
+                # (a write waits for a stream: past the server's limit, forever)
+                await asyncio.wait_for(
+                    call.write(health_pb2.HealthCheckRequest(service=str(i))), 30
+                )
+            for i, call in enumerate(calls):
+                assert (await asyncio.wait_for(call.read(), 30)).service == str(i)
+            assert server.calls == 150
+            for call in calls:
+                await call.done_writing()
+            for call in calls:
+                assert await asyncio.wait_for(call.code(), 30) == grpc.StatusCode.OK
+
+            call = chat()
+            await call.write(health_pb2.HealthCheckRequest(service="x" * 2000))
+            assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "over 1000" in await call.details()
+        await server.stop()
+
+    asyncio.run(run())
