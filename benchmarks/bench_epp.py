@@ -15,16 +15,23 @@ within 5%).
    a listener without ext_proc to a fixed backend; another asks a second router process whose
    EPP runs on grpcio (``--epp-transport grpcio``, BUFFERED: the state before the in-loop
    transport); another a do-nothing ext_proc service on the same in-loop transport (the floor
-   of an EPP on it). The arms rotate in blocks (direct, Envoy fixed upstream, null processor,
-   each EPP arm, HTTP router) so all see the same machine; added latency is a percentile
-   difference (EPP: Envoy + EPP - Envoy fixed; router: router - direct). Envoy's ext_proc
-   counters give the messages per request each way.
+   of an EPP on it). ``--base-src DIR`` adds one more router process started from another
+   kvserve tree (``DIR/src`` first on ``PYTHONPATH``, e.g. a ``git worktree`` of an older
+   commit) and its EPP arm ``envoy_epp_base`` (BUFFERED, route cache RETAIN, as the headline
+   arm): a before/after of the EPP's code in the same run; ``--epp-arms`` picks the arms.
+   The arms rotate in blocks (direct, Envoy fixed upstream, null processor, each EPP arm,
+   HTTP router) so all see the same machine; added latency is a percentile difference (EPP:
+   Envoy + EPP - Envoy fixed; router: router - direct). Envoy's ext_proc counters give the
+   messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
    real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
    workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
    ``--reps`` runs each (medians).
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py   # ~7 minutes
+    git worktree add /tmp/epp_base acb11d7   # the hand-written HTTP/2 transport vs this tree's:
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py --skip-quality \
+        --base-src /tmp/epp_base --epp-arms envoy_epp envoy_epp_base --out .../epp_h2
     .venv/bin/python benchmarks/bench_epp.py --quick    # smoke run
 """
 
@@ -65,6 +72,7 @@ EPP_ARMS = {
     "envoy_epp_clear": ("BUFFERED", "loop", "DEFAULT"),
     "envoy_epp_grpcio": ("BUFFERED", "grpcio", "DEFAULT"),
 }
+BASE_ARM = {"envoy_epp_base": ("BUFFERED", "base", "RETAIN")}  # with --base-src
 
 
 def _stop(p: subprocess.Popen | None) -> None:
@@ -166,7 +174,7 @@ async def _measure(
                 row[f"router_added_{q}_ms"] = row[f"router_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"envoy_hop_{q}_ms"] = row[f"envoy_fixed_{q}_ms"] - row[f"direct_{q}_ms"]
                 row[f"null_added_{q}_ms"] = row[f"envoy_null_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
-                for arm in EPP_ARMS:  # envoy_epp_x -> epp_x_added
+                for arm in args.arms:  # envoy_epp_x -> epp_x_added
                     name = arm.removeprefix("envoy_")
                     row[f"{name}_added_{q}_ms"] = row[f"{arm}_{q}_ms"] - row[f"envoy_fixed_{q}_ms"]
             for arm, procs in pids.items():
@@ -190,14 +198,24 @@ def _ext_proc_msgs(envoy: Envoy | None) -> tuple[int, int]:
     )
 
 
-def _router(backends: list[str], *flags: str) -> tuple[subprocess.Popen, str, int]:
-    """`kvserve route` on the backends, also an EPP: (process, HTTP URL, gRPC port)."""
+def _router(
+    backends: list[str], *flags: str, src: str | None = None
+) -> tuple[subprocess.Popen, str, int]:
+    """`kvserve route` on the backends, also an EPP: (process, HTTP URL, gRPC port); ``src``:
+    started from that kvserve tree (its ``src`` first on ``PYTHONPATH``)."""
     rport, gport = free_port(), free_port()
     cmd = [sys.executable, "-m", "kvserve.cli", "route", "--port", str(rport)]
     cmd += ["--epp-port", str(gport), *flags]
     for b in backends:
         cmd += ["--endpoint", f"{b},model={overhead.MODEL}"]
-    proc = subprocess.Popen(cmd)
+    env = None
+    if src is not None:
+        path = str(Path(src).resolve() / "src")
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])),
+        }
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{rport}"
     overhead.wait_healthy(url + "/health", proc, "router")
     return proc, url, gport
@@ -215,15 +233,24 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         ports = json.loads(backend_proc.stdout.readline())["ports"]
         backends = [f"http://127.0.0.1:{p}" for p in ports]
         router_proc, router, gport = _router(backends)
-        grpcio_proc, _, grpcio_port = _router(backends, "--epp-transport", "grpcio")
-        procs += [router_proc, grpcio_proc]
+        procs.append(router_proc)
+        epp = {"loop": (router_proc, gport)}  # transport -> (process, gRPC port)
+        transports = {t for _, t, _ in args.arms.values()}
+        if "grpcio" in transports:
+            grpcio_proc, _, grpcio_port = _router(backends, "--epp-transport", "grpcio")
+            procs.append(grpcio_proc)
+            epp["grpcio"] = (grpcio_proc, grpcio_port)
+        if "base" in transports:
+            base_proc, _, base_port = _router(backends, src=args.base_src)
+            procs.append(base_proc)
+            epp["base"] = (base_proc, base_port)
         nport = free_port()
         null_cmd = [sys.executable, __file__, "--serve-null-processor", str(nport)]
         null_proc = subprocess.Popen([*null_cmd, f"127.0.0.1:{ports[0]}"])
         procs.append(null_proc)
         fixed = ("127.0.0.1", ports[0])
-        for arm, (mode, transport, route_cache) in EPP_ARMS.items():
-            port = grpcio_port if transport == "grpcio" else gport
+        for arm, (mode, transport, route_cache) in args.arms.items():
+            port = epp[transport][1]
             spec = EnvoySpec(("127.0.0.1", port), request_body_mode=mode)
             spec.route_cache_action = route_cache
             if arm == "envoy_epp":  # (and the listener to a fixed upstream, the baseline)
@@ -235,7 +262,7 @@ def run_overhead(args, workdir: Path) -> list[dict]:
             "direct": [backends[0] + "/v1/completions"],
             "envoy_fixed": [envoys["envoy_epp"].direct_url + "/v1/completions"],
             "envoy_null": [envoys["envoy_null"].url + "/v1/completions"],
-            **{arm: [envoys[arm].url + "/v1/completions"] for arm in EPP_ARMS},
+            **{arm: [envoys[arm].url + "/v1/completions"] for arm in args.arms},
             "router": [router + "/v1/completions"],
         }
         envoy_pids = {arm: e.popen.pid for arm, e in envoys.items() if e.popen}
@@ -250,18 +277,16 @@ def run_overhead(args, workdir: Path) -> list[dict]:
                     os.sched_setaffinity(int(tid), {cpus[1]})
         pids = {
             arm: {
-                arm.removeprefix("envoy_"): (
-                    grpcio_proc.pid if EPP_ARMS[arm][1] == "grpcio" else router_proc.pid
-                ),
+                arm.removeprefix("envoy_"): epp[args.arms[arm][1]][0].pid,
                 f"envoy_of_{arm.removeprefix('envoy_')}": envoy_pids[arm],
             }
-            for arm in EPP_ARMS
+            for arm in args.arms
         }
         pids["envoy_null"] = {"null_processor": null_proc.pid}
         pids["router"] = {"router": router_proc.pid}
         all_cpus = os.sched_getaffinity(0)
         try:
-            ext_proc_stats = {arm: envoys[arm] for arm in [*EPP_ARMS, "envoy_null"]}
+            ext_proc_stats = {arm: envoys[arm] for arm in [*args.arms, "envoy_null"]}
             return asyncio.run(_measure(args, urls_of, pids, ext_proc_stats))
         finally:
             os.sched_setaffinity(0, all_cpus)
@@ -351,10 +376,15 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"{vs99:+.2f} ms (goal <= +1 ms: {'met' if vs <= 1.0 else 'NOT met'} at p50, "
                 f"{'met' if vs99 <= 1.0 else 'NOT met'} at p99)."
             )
+            grpcio = (
+                f"on grpcio, BUFFERED: {r['epp_grpcio_cpu_ms_per_request']:.2f} ms; "
+                if "envoy_epp_grpcio" in args.arms
+                else ""
+            )
             verdict.append(
                 f"- CPU per request (independent of the machine's load, {r['loadavg_1m']:.1f} "
-                f"here): the EPP {r['epp_cpu_ms_per_request']:.2f} ms (on grpcio, BUFFERED: "
-                f"{r['epp_grpcio_cpu_ms_per_request']:.2f} ms; a do-nothing ext_proc service on "
+                f"here): the EPP {r['epp_cpu_ms_per_request']:.2f} ms ({grpcio}"
+                "a do-nothing ext_proc service on "
                 f"the same transport: {r['null_processor_cpu_ms_per_request']:.2f} ms, adding "
                 f"p50 {r['null_added_p50_ms']:.2f} / p99 {r['null_added_p99_ms']:.2f} ms); "
                 f"the HTTP router's "
@@ -366,8 +396,19 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"{r['envoy_epp_msgs_to_processor_per_request']:.2f} / "
                 f"{r['envoy_epp_msgs_from_processor_per_request']:.2f}."
             )
-            for arm, (mode, transport, route_cache) in list(EPP_ARMS.items())[1:]:
+            if "envoy_epp_base" in args.arms:
+                cpu, base_cpu = r["epp_cpu_ms_per_request"], r["epp_base_cpu_ms_per_request"]
+                verdict.append(
+                    f"- This tree's EPP vs the base tree's ({args.base_rev}), same run, "
+                    f"BUFFERED: CPU per request {cpu:.3f} vs {base_cpu:.3f} ms "
+                    f"({cpu / base_cpu:.3f}x, {cpu - base_cpu:+.3f} ms); added p50 "
+                    f"{p50:.2f} vs {r['epp_base_added_p50_ms']:.2f} ms, p99 {p99:.2f} vs "
+                    f"{r['epp_base_added_p99_ms']:.2f} ms."
+                )
+            for arm, (mode, transport, route_cache) in list(args.arms.items())[1:]:
                 name = arm.removeprefix("envoy_")
+                if transport == "base":
+                    transport = f"the base tree ({args.base_rev})"
                 verdict.append(
                     f"- The EPP on {transport}, Envoy's {mode} body mode, route cache "
                     f"{route_cache} (same run): adds p50 "
@@ -400,7 +441,9 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "(BUFFERED, route cache RETAIN for the headline), "
             "STREAMED response body with allow_mode_override, upstream.address attribute; "
             "ORIGINAL_DST pool",
-            "epp_arms": {arm: list(v) for arm, v in EPP_ARMS.items()},
+            "epp_arms": {arm: list(v) for arm, v in args.arms.items()},
+            "base_src": args.base_src,
+            "base_rev": args.base_rev,
             "reps": args.reps,
             "quality_workload": sizes,
         },
@@ -466,8 +509,10 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in over:
-        for arm, (mode, transport, route_cache) in EPP_ARMS.items():
+        for arm, (mode, transport, route_cache) in args.arms.items():
             name = arm.removeprefix("envoy_")
+            if transport == "base":
+                transport = f"base tree ({args.base_rev})"
             a50, a99 = r[f"{name}_added_p50_ms"], r[f"{name}_added_p99_ms"]
             lines.append(
                 f"| {r['rate']:.0f} | {mode} | {route_cache} | {transport} | "
@@ -520,6 +565,19 @@ def main() -> None:
         help="overhead part: load generator and backends on CPU 0; Envoy, the EPP/router and "
         "the null processor on CPU 1",
     )
+    ap.add_argument(
+        "--base-src",
+        default=None,
+        help="another kvserve tree (e.g. a git worktree of an older commit): its EPP as one "
+        "more arm, envoy_epp_base",
+    )
+    ap.add_argument(
+        "--epp-arms",
+        nargs="+",
+        default=None,
+        help=f"EPP arms to run (default: all of {', '.join(EPP_ARMS)}, and envoy_epp_base "
+        "with --base-src); envoy_epp, the headline, always runs",
+    )
     ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
     ap.add_argument("--out", default=str(RESULTS / "epp"))
     ap.add_argument("--serve-null-processor", nargs=2, help=argparse.SUPPRESS)
@@ -532,6 +590,18 @@ def main() -> None:
         return
     if args.quick:
         args.blocks, args.block_s, args.reps = 1, 2.0, 1
+    known = {**EPP_ARMS, **(BASE_ARM if args.base_src else {})}
+    names = args.epp_arms or list(known)
+    if unknown := set(names) - set(known):
+        ap.error(f"unknown EPP arms {sorted(unknown)} (known: {', '.join(known)})")
+    args.arms = {arm: known[arm] for arm in known if arm == "envoy_epp" or arm in names}
+    args.base_rev = None
+    if args.base_src:
+        args.base_rev = subprocess.run(
+            ["git", "-C", args.base_src, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-epp-") as tmp:
         over = run_overhead(args, Path(tmp))
