@@ -24,6 +24,7 @@ from kvserve.engine.attention import (
 )
 from kvserve.engine.attention.flashinfer_backend import AVAILABLE as FLASHINFER
 from kvserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+from kvserve.engine.cpu_malloc import keep_activations_in_heap
 from kvserve.engine.kv_cache_spec import (
     KVCacheGroupSpec,
     layer_slots,
@@ -89,6 +90,8 @@ class ModelRunner:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)
         self.num_threads = configure_threads(config.num_threads, self.device)
+        if self.device.type == "cpu":
+            keep_activations_in_heap()  # no page faults for each step's large activations
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.block_size = config.block_size
         self.model = load_model(
