@@ -1,12 +1,14 @@
-"""The EPP's in-loop gRPC server (on h2), against a real gRPC client (grpcio) over loopback
-sockets: unary and streaming calls, flow control both ways (a 1 MB message each way through
-grpcio's 64 KiB windows), errors, cancellation, stop."""
+"""The EPP's in-loop gRPC server, against a real gRPC client (grpcio) over loopback sockets:
+unary and streaming calls, flow control both ways (a 1 MB message each way through grpcio's
+64 KiB windows), errors, cancellation, stop; and its HPACK use (``hpack``) frame by frame."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 
 import grpc
+import hpack
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -133,7 +135,7 @@ def test_stop_ends_open_calls_and_refuses_new_ones():
 
 
 def test_many_streams_oversized_message_and_not_http2():
-    """Past h2's default of 100 concurrent streams (a limit the EPP must not have: Envoy keeps
+    """Past the common default of 100 concurrent streams (a limit the EPP must not have: Envoy keeps
     one stream per HTTP request in flight); a message over the limit; a client that does not
     speak HTTP/2 loses its connection, not the server."""
 
@@ -144,7 +146,7 @@ def test_many_streams_oversized_message_and_not_http2():
         port = await server.start("127.0.0.1", 0)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.wait_for(reader.read(), 10)  # (h2's GOAWAY, then EOF)
+        await asyncio.wait_for(reader.read(), 10)  # (a GOAWAY, then EOF)
         assert reader.at_eof()
         writer.close()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -171,6 +173,71 @@ def test_many_streams_oversized_message_and_not_http2():
             await call.write(health_pb2.HealthCheckRequest(service="x" * 2000))
             assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "over 1000" in await call.details()
+        await server.stop()
+
+    asyncio.run(run())
+
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_HEADERS, _SETTINGS, _GOAWAY = 1, 4, 7
+
+
+def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IBI", (len(payload) << 8) | kind, flags, sid) + payload
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, int, bytes]:
+    head = await asyncio.wait_for(reader.readexactly(9), 10)
+    n_kind, flags, sid = struct.unpack(">IBI", head)
+    payload = await asyncio.wait_for(reader.readexactly(n_kind >> 8), 10)
+    return n_kind & 0xFF, flags, sid & 0x7FFFFFFF, payload
+
+
+def test_hpack_blocks_both_ways_and_compression_error():
+    """Request blocks from an indexing encoder (the second refers to the first's dynamic
+    entries) decode right; answers leave the client's dynamic table empty; a block that does
+    not decode ends the connection with GOAWAY COMPRESSION_ERROR."""
+
+    async def run() -> None:
+        server = GrpcServer({ECHO: Method(health_pb2.HealthCheckRequest, _chat)})
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        encoder, decoder = hpack.Encoder(), hpack.Decoder()
+        out = _PREFACE + _frame(_SETTINGS, 0, 0)
+        for sid, path in ((1, "/x.Y/Z"), (3, "/x.Y/W")):
+            fields = [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "epp"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                ("x-request-id", "a" * 40),
+            ]
+            out += _frame(_HEADERS, 0x5, sid, encoder.encode(fields))  # END_STREAM|END_HEADERS
+        assert len(encoder.header_table.dynamic_entries) >= 2
+        writer.write(out)
+        answers = {}
+        while len(answers) < 2:
+            kind, flags, sid, payload = await _read_frame(reader)
+            if kind == _HEADERS:
+                assert flags & 0x5 == 0x5  # trailers-only, END_STREAM
+                answers[sid] = dict(decoder.decode(payload, raw=True))
+        assert len(decoder.header_table.dynamic_entries) == 0
+        for sid, path in ((1, b"/x.Y/Z"), (3, b"/x.Y/W")):
+            assert answers[sid][b":status"] == b"200"
+            assert answers[sid][b"grpc-status"] == b"12"  # UNIMPLEMENTED
+            assert answers[sid][b"grpc-message"] == b"unknown method " + path
+
+        writer.write(_frame(_HEADERS, 0x5, 5, b"\x80"))  # index 0: not a valid field
+        while True:
+            kind, flags, sid, payload = await _read_frame(reader)
+            if kind == _GOAWAY:
+                break
+        assert struct.unpack(">II", payload[:8]) == (3, 9)  # last stream 3, COMPRESSION_ERROR
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        assert not server.connections
         await server.stop()
 
     asyncio.run(run())

@@ -1,16 +1,19 @@
 """A gRPC server on HTTP/2 inside the router's event loop: the EPP's transport.
 
-Owns gRPC's side of the HTTP/2 connections (cleartext, prior knowledge, as Envoy's gRPC
-clusters and gRPC clients connect): one task per call, the 5-byte message framing, statuses
-in trailers, and when a connection's frames go out (those of one loop turn in one write).
-The HTTP/2 protocol itself (frames, HPACK, stream states, flow control both ways) is PyPI's
-``h2`` (python-hyper), fed the socket's bytes: no second thread, no completion queue (grpcio's
-server spent ~0.7 ms of CPU per ext_proc request on its own machinery:
-``benchmarks/results/epp*.md``).
+Owns the HTTP/2 connections (cleartext, prior knowledge, as Envoy's gRPC clusters and gRPC
+clients connect): their frames, stream lifetimes and flow control both ways, and gRPC's framing
+on them: one task per call, reading and writing protobuf messages in the loop that runs the
+scheduling core. Header blocks are HPACK-decoded and -encoded by PyPI's ``hpack``. No second
+thread, no completion queue: a message costs a frame parse and a protobuf parse, and its answer
+one socket write (grpcio's server spent ~0.7 ms of CPU per ext_proc request on its own
+machinery, ``h2``'s state machines ~0.35 ms more than this: ``benchmarks/results/epp*.md``).
+
+Our header blocks never touch the peer's HPACK dynamic table: the fixed ones are encoded once,
+each field a static-table index or a never-indexed literal, and so are error trailers (one
+shared, stateless encoder), so the peer's SETTINGS_HEADER_TABLE_SIZE never concerns us.
 
 Not supported (nothing the EPP needs): message compression (a compressed message ends its
-call with UNIMPLEMENTED), TLS (a sidecar or the mesh terminates it), server push. A client's
-GOAWAY ends its connection's calls at once (``h2`` sends nothing more after one).
+call with UNIMPLEMENTED), TLS (a sidecar or the mesh terminates it), server push.
 """
 
 from __future__ import annotations
@@ -25,46 +28,45 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from h2.config import H2Configuration
-from h2.connection import H2Connection
-from h2.errors import ErrorCodes
-from h2.events import (
-    ConnectionTerminated,
-    DataReceived,
-    RemoteSettingsChanged,
-    RequestReceived,
-    StreamEnded,
-    StreamReset,
-    WindowUpdated,
-)
-from h2.exceptions import ProtocolError
-from h2.settings import SettingCodes
-from hyperframe.frame import GoAwayFrame
+from hpack import Decoder, Encoder, HPACKError, NeverIndexedHeaderTuple
 
 logger = logging.getLogger(__name__)
 
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
+WINDOW_UPDATE, CONTINUATION = 8, 9
+END_STREAM = ACK = 0x1
+END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
+# Error codes (RFC 9113 section 7)
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 6, 7, 8, 9
+# Settings
+HEADER_TABLE_SIZE, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 1, 3, 4, 5
+MAX_HEADER_LIST_SIZE = 6
 # gRPC status codes
 OK, CANCELLED, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED = 0, 1, 3, 5, 8
 UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 12, 13, 14
 
+_FRAME = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
 _MESSAGE = struct.Struct(">BI")  # gRPC: compressed flag, length
+_U32 = struct.Struct(">I")
 _DEFAULT_WINDOW = 65535
 _WINDOW = 1 << 24  # what we let a peer send ahead, per stream and per connection
 _MAX_FRAME = 1 << 20  # the largest frame we accept (a 1 MB body in one or two)
-_SETTINGS = {
-    SettingCodes.MAX_CONCURRENT_STREAMS: 1 << 20,  # (h2's default, 100, would end the
-    SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,  # connection on the 101st open stream)
-    SettingCodes.MAX_FRAME_SIZE: _MAX_FRAME,
-}
-# Inbound headers validated and normalized by h2 (RFC 9113's rules); ours are fixed and valid.
-_CONFIG = H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-)
-_RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
-_TRAILERS_OK = [(b"grpc-status", b"0")]
+_MAX_WINDOW = (1 << 31) - 1
+_MAX_HEADER_BLOCK = 1 << 20  # a header block spread over CONTINUATION frames, at most
+_MAX_HEADER_LIST = 1 << 16  # decoded request headers, at most (RFC 9113's count: +32 a field)
+_MAX_STREAMS = 1 << 20  # (Envoy keeps one stream per HTTP request in flight: no real limit)
+_ENCODER = Encoder()  # only ever given never-indexed fields: its dynamic table stays empty
+
+
+def encode_headers(fields: list[tuple[bytes, bytes]]) -> bytes:
+    """An HPACK block that leaves the peer's dynamic table as it is."""
+    return _ENCODER.encode([NeverIndexedHeaderTuple(k, v) for k, v in fields])
+
+
+_RESPONSE_HEADERS = encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
+_TRAILERS_OK = encode_headers([(b"grpc-status", b"0")])
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # kept as is
 
 
@@ -86,14 +88,18 @@ class Method:
     handler: Callable[[Call], Awaitable[None]]
 
 
-def _trailers(status: int, message: str) -> list[tuple[bytes, bytes]]:
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return _FRAME.pack((len(payload) << 8) | kind, flags, stream_id) + payload
+
+
+def _trailers(status: int, message: str) -> bytes:
     if status == OK and not message:
         return _TRAILERS_OK
     fields = [(b"grpc-status", str(status).encode())]
     if message:  # percent-encoded, as gRPC's wire format asks
         text = quote(message[:1024], safe=_MESSAGE_SAFE)
         fields.append((b"grpc-message", text.encode()))
-    return fields
+    return encode_headers(fields)
 
 
 class Call:
@@ -102,7 +108,8 @@ class Call:
 
     __slots__ = (
         "conn", "stream_id", "method", "metadata", "inbox", "ended", "reset", "finished",
-        "_waiter", "_buf", "_pending", "_headers_sent", "task",
+        "_waiter", "_buf", "_recv_unacked", "send_window", "_pending", "_headers_sent",
+        "task",
     )  # fmt: skip
 
     def __init__(
@@ -118,8 +125,9 @@ class Call:
         self.finished = False  # we sent END_STREAM
         self._waiter: asyncio.Future | None = None
         self._buf = bytearray()
-        # DATA payloads, or a trailers list (the last item), waiting for the peer's window
-        self._pending: deque[bytes | memoryview | list] = deque()
+        self._recv_unacked = 0
+        self.send_window = conn.peer_initial_window
+        self._pending: deque[tuple[bool, bytes]] = deque()  # (is_trailers, payload)
         self._headers_sent = False
         self.task: asyncio.Task | None = None
 
@@ -148,7 +156,11 @@ class Call:
         if self.reset or self.finished:
             return
         payload = message.SerializeToString()
-        self._pending.append(_MESSAGE.pack(0, len(payload)) + payload)
+        data = _MESSAGE.pack(0, len(payload)) + payload
+        if not self._headers_sent:
+            self._headers_sent = True
+            self.conn.write(_frame(HEADERS, END_HEADERS, self.stream_id, _RESPONSE_HEADERS))
+        self._pending.append((False, data))
         self.flush()
 
     def finish(self, status: int = OK, message: str = "") -> None:
@@ -156,55 +168,48 @@ class Call:
         if self.reset or self.finished:
             return
         self.finished = True
-        trailers = _trailers(status, message)
         if not self._headers_sent:
             self._headers_sent = True
-            with contextlib.suppress(ProtocolError):  # (the stream or connection is closed)
-                self.conn.h2.send_headers(self.stream_id, _RESPONSE_HEADERS + trailers, True)
-            self.conn.changed()
+            block = _RESPONSE_HEADERS + _trailers(status, message)
+            self.conn.write(_frame(HEADERS, END_HEADERS | END_STREAM, self.stream_id, block))
             self.conn.call_done(self)
             return
-        self._pending.append(trailers)
+        self._pending.append((True, _trailers(status, message)))
         self.flush()
 
     def flush(self) -> None:
         """Send what the windows allow; the rest waits for the peer's WINDOW_UPDATE."""
-        conn, h2, sid = self.conn, self.conn.h2, self.stream_id
+        conn = self.conn
         pending = self._pending
-        try:
-            if not self._headers_sent and pending:
-                self._headers_sent = True
-                h2.send_headers(sid, _RESPONSE_HEADERS)
-            while pending and not self.reset:
-                data = pending[0]
-                if isinstance(data, list):  # the trailers
-                    pending.popleft()
-                    h2.send_headers(sid, data, end_stream=True)
-                    conn.changed()
-                    conn.call_done(self)
-                    return
-                n = min(len(data), h2.local_flow_control_window(sid), h2.max_outbound_frame_size)
-                if n <= 0:
-                    conn.blocked[sid] = self
-                    break
-                if n == len(data):
-                    h2.send_data(sid, data)
-                    pending.popleft()
-                else:  # (h2 copies a memoryview's part; the rest stays a view)
-                    view = memoryview(data)
-                    h2.send_data(sid, view[:n])
-                    pending[0] = view[n:]
+        while pending and not self.reset:
+            is_trailers, data = pending[0]
+            if is_trailers:
+                pending.popleft()
+                conn.write(_frame(HEADERS, END_HEADERS | END_STREAM, self.stream_id, data))
+                conn.call_done(self)
+                return
+            n = min(len(data), self.send_window, conn.send_window, conn.peer_max_frame)
+            if n <= 0:
+                conn.blocked[self.stream_id] = self
+                return
+            conn.write(_frame(DATA, 0, self.stream_id, data[:n]))
+            self.send_window -= n
+            conn.send_window -= n
+            if n == len(data):
+                pending.popleft()
             else:
-                conn.blocked.pop(sid, None)
-        except ProtocolError:  # the stream or the connection is closed: the call is gone
-            self._gone()
-        conn.changed()
+                pending[0] = (False, data[n:])
+        conn.blocked.pop(self.stream_id, None)
 
     # ------------------------------------------------------------------ from the connection
 
-    def _received(self, data: bytes) -> None:
+    def _received(self, data: bytes, end_stream: bool) -> None:
         if self.ended:
             return
+        self._recv_unacked += len(data)
+        if self._recv_unacked >= _WINDOW // 2 and not end_stream:
+            self.conn.write(_frame(WINDOW_UPDATE, 0, self.stream_id, _U32.pack(self._recv_unacked)))
+            self._recv_unacked = 0
         buf = self._buf
         buf += data
         limit = self.conn.server.max_message_bytes
@@ -226,10 +231,8 @@ class Call:
                 self._abort(INTERNAL, "request message does not parse")
                 return
             self.inbox.append(message)
-        self._wake()
-
-    def _end_received(self) -> None:
-        self.ended = True
+        if end_stream:
+            self.ended = True
         self._wake()
 
     def _abort(self, status: int, message: str) -> None:
@@ -239,10 +242,7 @@ class Call:
 
     def _gone(self, send_reset: bool = False) -> None:
         if send_reset and not self.reset:
-            # (h2 raises if the stream is already closed both ways: nothing to reset)
-            with contextlib.suppress(ProtocolError):
-                self.conn.h2.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
-            self.conn.changed()
+            self.conn.write(_frame(RST_STREAM, 0, self.stream_id, _U32.pack(NO_ERROR)))
         self.reset = self.ended = True
         self.inbox.clear()
         self._pending.clear()
@@ -257,37 +257,44 @@ class Call:
 
 
 class Http2Connection(asyncio.Protocol):
-    """The server side of one HTTP/2 connection: an ``h2`` connection on a socket."""
+    """The server side of one HTTP/2 connection."""
 
     def __init__(self, server: GrpcServer) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.h2 = H2Connection(_CONFIG)
+        self.buf = bytearray()
+        self.preface = False
+        self.decoder = Decoder(max_header_list_size=_MAX_HEADER_LIST)
         self.streams: dict[int, Call] = {}
         self.blocked: dict[int, Call] = {}
+        self.last_stream = 0
+        self.send_window = _DEFAULT_WINDOW
+        self.peer_initial_window = _DEFAULT_WINDOW
+        self.peer_max_frame = 16384
+        self._recv_unacked = 0
+        self._continuation: tuple[int, int, bytearray] | None = None  # stream, flags, block
         self.going_away = False
-        self._flush_pending = False
-        self._on_event = {
-            RequestReceived: self._request,
-            DataReceived: self._data,
-            StreamEnded: self._stream_ended,
-            StreamReset: self._stream_reset,
-            WindowUpdated: self._unblock,
-            RemoteSettingsChanged: self._unblock,
-            ConnectionTerminated: self._terminated,
-        }
+        self._out: list[bytes] = []  # frames to send at the end of this turn of the loop
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(self)
-        h2 = self.h2
-        h2.initiate_connection()
-        h2.update_settings(_SETTINGS)
-        h2.increment_flow_control_window(_WINDOW - _DEFAULT_WINDOW)
-        self.changed()
+        settings = b"".join(
+            struct.pack(">HI", k, v)
+            for k, v in (
+                (MAX_CONCURRENT_STREAMS, _MAX_STREAMS),
+                (INITIAL_WINDOW_SIZE, _WINDOW),
+                (MAX_FRAME_SIZE, _MAX_FRAME),
+                (MAX_HEADER_LIST_SIZE, _MAX_HEADER_LIST),
+            )
+        )
+        self.write(
+            _frame(SETTINGS, 0, 0, settings)
+            + _frame(WINDOW_UPDATE, 0, 0, _U32.pack(_WINDOW - _DEFAULT_WINDOW))
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -296,107 +303,211 @@ class Http2Connection(asyncio.Protocol):
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if not self.preface:
+            head = bytes(buf[: len(PREFACE)])
+            if not PREFACE.startswith(head):  # not HTTP/2 with prior knowledge
+                self._go_away(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                return
+            if len(head) < len(PREFACE):
+                return
+            del buf[: len(PREFACE)]
+            self.preface = True
+        pos, n = 0, len(buf)
         try:
-            events = self.h2.receive_data(data)
-        except ProtocolError as e:  # h2 queued its GOAWAY: send it and close
-            logger.warning("EPP HTTP/2 connection error: %s", e)
-            self._close(go_away=False)
+            while n - pos >= 9:
+                head, flags, stream_id = _FRAME.unpack_from(buf, pos)
+                length, kind = head >> 8, head & 0xFF
+                if length > _MAX_FRAME:
+                    raise _ConnectionError(FRAME_SIZE_ERROR, "frame over the announced size")
+                if n - pos - 9 < length:
+                    break
+                payload = bytes(buf[pos + 9 : pos + 9 + length])
+                pos += 9 + length
+                self._frame_received(kind, flags, stream_id & 0x7FFFFFFF, payload)
+                if self.transport is None:
+                    return
+        except _ConnectionError as e:
+            self._go_away(e.code, str(e))
             return
-        on_event = self._on_event
-        for event in events:
-            handler = on_event.get(type(event))
-            if handler is not None:
-                handler(event)
-        self.changed()  # h2's own answers: SETTINGS and PING acks, window updates
+        del buf[:pos]
 
-    # ------------------------------------------------------------------ events
+    # ------------------------------------------------------------------ frames
 
-    def _request(self, ev: RequestReceived) -> None:
-        sid = ev.stream_id
+    def _frame_received(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if self._continuation is not None and kind != CONTINUATION:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION")
+        if kind == DATA:
+            self._data(flags, sid, payload)
+        elif kind == HEADERS:
+            if not sid:
+                raise _ConnectionError(PROTOCOL_ERROR, "HEADERS on stream 0")
+            start, end = 0, len(payload)
+            if flags & PADDED:
+                start, end = 1, end - payload[0]
+            if flags & PRIORITY_FLAG:
+                start += 5
+            if start > end:
+                raise _ConnectionError(PROTOCOL_ERROR, "bad padding")
+            block = bytearray(payload[start:end])
+            if flags & END_HEADERS:
+                self._headers(sid, flags, bytes(block))
+            else:
+                self._continuation = (sid, flags, block)
+        elif kind == CONTINUATION:
+            if self._continuation is None or self._continuation[0] != sid:
+                raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
+            self._continuation[2].extend(payload)
+            if len(self._continuation[2]) > _MAX_HEADER_BLOCK:
+                raise _ConnectionError(PROTOCOL_ERROR, "header block too large")
+            if flags & END_HEADERS:
+                first_sid, first_flags, block = self._continuation
+                self._continuation = None
+                self._headers(first_sid, first_flags, bytes(block))
+        elif kind == SETTINGS:
+            if not flags & ACK:
+                self._settings(payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif kind == PING:
+            if not flags & ACK:
+                self.write(_frame(PING, ACK, 0, payload))
+        elif kind == RST_STREAM:
+            call = self.streams.get(sid)
+            if call is not None:
+                call._gone()
+        elif kind == GOAWAY:
+            self.going_away = True
+        # PRIORITY, PUSH_PROMISE (a client never sends it) and unknown types: ignored
+
+    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+        size = len(payload)  # padding counts against flow control too
+        if flags & PADDED and payload:
+            payload = payload[1 : len(payload) - payload[0]]
+        self._recv_unacked += size
+        if self._recv_unacked >= _WINDOW // 2:
+            self.write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked)))
+            self._recv_unacked = 0
+        call = self.streams.get(sid)
+        if call is not None:
+            call._received(payload, bool(flags & END_STREAM))
+
+    def _headers(self, sid: int, flags: int, block: bytes) -> None:
+        try:
+            # always, even for a stream we ignore: the dynamic table must follow the peer's
+            fields = self.decoder.decode(block, raw=True)
+        except HPACKError as e:
+            raise _ConnectionError(COMPRESSION_ERROR, str(e)) from None
+        end_stream = bool(flags & END_STREAM)
+        call = self.streams.get(sid)
+        if call is not None:  # trailers of a request
+            if end_stream:
+                call._received(b"", True)
+            return
+        if sid <= self.last_stream or not sid & 1:
+            if sid <= self.last_stream:
+                return  # a stream already closed: ignore
+            raise _ConnectionError(PROTOCOL_ERROR, "bad stream id")
+        self.last_stream = sid
         if self.going_away or self.server.stopping:
-            with contextlib.suppress(ProtocolError):
-                self.h2.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            self.write(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
-        metadata = dict(ev.headers)
-        path = metadata.get(b":path", b"")
-        method = self.server.methods.get(path)
+        metadata = dict(fields)
+        method = self.server.methods.get(metadata.get(b":path", b""))
         call = Call(self, sid, method, metadata)
         self.streams[sid] = call
-        call.ended = ev.stream_ended is not None
+        call.ended = end_stream
         if method is None:
-            call.finish(UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}")
+            path = metadata.get(b":path", b"").decode("latin-1")
+            call.finish(UNIMPLEMENTED, f"unknown method {path}")
             return
         call.task = self.loop.create_task(self.server.run(call))
 
-    def _data(self, ev: DataReceived) -> None:
-        sid = ev.stream_id
-        # Buffered (up to the message size limit), so handed back to the peer at once
-        self.h2.acknowledge_received_data(ev.flow_controlled_length, sid)
-        call = self.streams.get(sid)
-        if call is not None:
-            call._received(ev.data)
+    def _settings(self, payload: bytes) -> None:
+        if len(payload) % 6:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS length")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == INITIAL_WINDOW_SIZE:
+                if value > _MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, "window too large")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for call in self.streams.values():
+                    call.send_window += delta
+            elif key == MAX_FRAME_SIZE:
+                if not 16384 <= value <= 16777215:
+                    raise _ConnectionError(PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
+                self.peer_max_frame = value
+            # HEADER_TABLE_SIZE: we never index; the others do not concern us
+        self.write(_frame(SETTINGS, ACK, 0))
+        self._unblock()
 
-    def _stream_ended(self, ev: StreamEnded) -> None:
-        call = self.streams.get(ev.stream_id)
-        if call is not None:
-            call._end_received()
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE length")
+        inc = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        if sid == 0:
+            self.send_window += inc
+            if self.send_window > _MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window overflow")
+        else:
+            call = self.streams.get(sid)
+            if call is None:
+                return
+            call.send_window += inc
+        self._unblock()
 
-    def _stream_reset(self, ev: StreamReset) -> None:
-        call = self.streams.get(ev.stream_id)
-        if call is not None:
-            call._gone()
-
-    def _unblock(self, ev: object = None) -> None:
+    def _unblock(self) -> None:
         for call in list(self.blocked.values()):
+            if self.send_window <= 0:
+                return
             call.flush()
-
-    def _terminated(self, ev: ConnectionTerminated) -> None:
-        """The client's GOAWAY: h2 sends nothing more on this connection, so its calls end."""
-        self.going_away = True
-        for call in list(self.streams.values()):
-            call._gone()
-        self._close(go_away=False)
 
     # ------------------------------------------------------------------ output
 
-    def changed(self) -> None:
-        """h2 has (or may have) frames to send: they go out at the end of this loop turn,
-        all in one write (a loopback send costs ~0.1 ms of CPU here: answers of one message
-        share it)."""
-        if not self._flush_pending and self.transport is not None:
-            self._flush_pending = True
+    def write(self, data: bytes) -> None:
+        """Queue ``data``; what is queued in one turn of the loop goes out in one write (a
+        loopback send costs ~0.1 ms of CPU here: answers of one message share it)."""
+        if self.transport is None:
+            return
+        if not self._out:
             self.loop.call_soon(self._flush)
+        self._out.append(data)
 
     def _flush(self) -> None:
-        self._flush_pending = False
-        data = self.h2.data_to_send()
-        if data and self.transport is not None:
-            self.transport.write(data)
+        if self._out:
+            if self.transport is not None:
+                self.transport.write(b"".join(self._out))
+            self._out.clear()
 
     def call_done(self, call: Call) -> None:
         """We sent the call's END_STREAM: forget it (RST_STREAM NO_ERROR if the client has
         not ended its side: the call is over)."""
         call._gone(send_reset=not call.ended)
 
-    def go_away(self) -> None:
-        """Graceful: no new streams (GOAWAY NO_ERROR naming the last stream); the open ones
-        go on. Written beside h2, whose state machine allows nothing after a GOAWAY
-        (python-hyper/h2#1181); h2's own closes the connection in :meth:`_close`."""
-        self.going_away = True
-        if self.transport is None:
-            return
-        self._flush()
-        frame = GoAwayFrame(0, last_stream_id=self.h2.highest_inbound_stream_id)
-        self.transport.write(frame.serialize())
+    def _go_away(self, code: int, reason: str) -> None:
+        logger.warning("EPP HTTP/2 connection error (%s): %s", code, reason)
+        payload = _U32.pack(self.last_stream) + _U32.pack(code) + reason.encode()[:256]
+        self.write(_frame(GOAWAY, 0, 0, payload))
+        self._close()
 
-    def _close(self, go_away: bool = True) -> None:
-        if self.transport is None:
-            return
-        if go_away:
-            with contextlib.suppress(ProtocolError):
-                self.h2.close_connection()
-        self._flush()
-        self.transport.close()
+    def go_away(self) -> None:
+        """Graceful: no new streams (GOAWAY, NO_ERROR); the open ones go on."""
+        self.going_away = True
+        self.write(_frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(NO_ERROR)))
+
+    def _close(self) -> None:
+        if self.transport is not None:
+            self._flush()
+            self.transport.close()
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class GrpcServer:
