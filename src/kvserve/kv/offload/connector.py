@@ -544,9 +544,25 @@ class OffloadingConnector(KVConnectorBase):
         ok = list(res.ok) + [False] * (len(stage.keys) - len(res.ok))
         good = [k for k, g in zip(stage.keys, ok, strict=False) if g]
         bad = [k for k, g in zip(stage.keys, ok, strict=False) if not g]
+        slots = [s for s, g in zip(stage.slots, ok, strict=False) if g]
+        self._settle_staged(mgr, slots, good, bad, res, "")
+        stage.keys, stage.slots, stage.reading, stage.done = [], [], False, True
+
+    def _settle_staged(
+        self,
+        mgr: OffloadingManager,
+        slots: list[int],
+        good: list[bytes],
+        bad: list[bytes],
+        res: StorageResult,
+        who: str,
+    ) -> None:
+        """Storage chunks staged into host slots: the verified ones (``good`` in ``slots``)
+        become host-tier chunks, the others are dropped; counted either way."""
         if good:
-            slots = [s for s, g in zip(stage.slots, ok, strict=False) if g]
-            self.tier.record(slots, good)  # verified by the tier: the host header now
+            # The tier verified the payload (full hash); record the host header of what is
+            # now in the slot, so a copy from it is verified like any host chunk.
+            self.tier.record(slots, good)
         mgr.complete_store(good, success=True)
         mgr.complete_store(bad, success=False)
         self._counts["tier_loaded_chunks"] += len(good)
@@ -555,9 +571,9 @@ class OffloadingConnector(KVConnectorBase):
         self._stats.load_time_s += res.seconds
         if bad:
             logger.warning(
-                "%d storage-tier chunk(s) missing or failed verification; recomputing", len(bad)
-            )
-        stage.keys, stage.slots, stage.reading, stage.done = [], [], False, True
+                "%s%d storage-tier chunk(s) missing or failed verification; recomputing",
+                who, len(bad),
+            )  # fmt: skip
 
     # ================================ scheduler side =====================================
     def get_num_new_matched_tokens(
@@ -1298,22 +1314,8 @@ class OffloadingConnector(KVConnectorBase):
             n_ok += 1
         good, bad = rec.staged_keys[:n_ok], rec.staged_keys[n_ok:]
         job, first = rec.job, rec.staged_from
-        if good:
-            # The tier verified the payload (full hash); record the host header of what is
-            # now in the slot, so the copy below is verified like any host chunk.
-            slots = [c.slot for c in job.chunks[first : first + n_ok]]
-            self.tier.record(slots, good)
-        mgr.complete_store(good, success=True)
-        mgr.complete_store(bad, success=False)
-        self._counts["tier_loaded_chunks"] += len(good)
-        self._counts["tier_failed_chunks"] += len(bad)
-        self._stats.load_bytes += res.nbytes
-        self._stats.load_time_s += res.seconds
-        if bad:
-            logger.warning(
-                "request %s: %d storage-tier chunk(s) missing or failed verification; "
-                "recomputing", rec.req_id, len(bad),
-            )  # fmt: skip
+        slots = [c.slot for c in job.chunks[first : first + n_ok]]
+        self._settle_staged(mgr, slots, good, bad, res, f"request {rec.req_id}: ")
         rec.staged_keys = []
         host_keys = [c.key for c in job.chunks[:first]]
         if rec.cancelled:
