@@ -18,11 +18,11 @@ from itertools import compress, repeat
 from operator import attrgetter, or_
 from typing import Any
 
+from kvserve.engine.kv_cache_spec import FULL_ATTENTION, SLIDING_WINDOW, window_blocks
+
 GROUP_SHIFT = 6  # group g's media bits are ``bit << GROUP_SHIFT * g`` in an entry's mask
 MAX_GROUPS = 64
 MEDIA_MASK = (1 << GROUP_SHIFT) - 1  # one group's media bits, shifted down
-FULL_ATTENTION = "full_attention"
-SLIDING_WINDOW = "sliding_window"
 _PROBES_BEFORE_SKIP = 64  # window probes before the walk-down jumps between held blocks
 
 _MASK = attrgetter("mask")
@@ -33,13 +33,6 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
-
-
-def window_blocks(window: int, block_size: int) -> int:
-    """Blocks a sliding-window group must hold before a hit point: the token at position p
-    attends to the ``window - 1`` tokens before it (as in transformers and vLLM, whose
-    sliding-window manager asks for ``cdiv(window - 1, block_size)`` blocks)."""
-    return -(-(window - 1) // block_size) if window > 1 else 0
 
 
 def event_window(kind: str, window: int | None) -> int:

@@ -350,7 +350,7 @@ class KVCacheManager:
         every sliding group holds real blocks from the window a query there reads onwards
         (entries a window no longer read are the null block: never written, never read)."""
         for m in self.sliding_managers:
-            first = max(0, num_tokens - m.window + 1) // self.block_size
+            first = m.num_skipped_blocks(num_tokens)
             if any(b.is_null for b in m.req_to_blocks.get(request_id, [])[first:]):
                 return False
         return True

@@ -25,15 +25,28 @@ if TYPE_CHECKING:
     from kvserve.model.config import ModelConfig
 
 
+# Names of the attention types in KV events (vLLM's kv_cache_spec_kind); the router reads them.
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Blocks a sliding-window group must hold before a block-aligned hit point: the token at
+    position p attends to the ``window - 1`` tokens before it (as in transformers; vLLM's
+    sliding-window manager asks for ``cdiv(window - 1, block_size)`` blocks). Equal to the
+    hit's blocks minus :meth:`SlidingWindowSpec.num_skipped_blocks` at the hit."""
+    return cdiv(window - 1, block_size) if window > 1 else 0
 
 
 @dataclass(frozen=True)
 class FullAttentionSpec:
     """Keys of every earlier token are read: every block is kept."""
 
-    kind: str = "full_attention"  # the name in KV events (vLLM's kv_cache_spec_kind)
+    kind: str = FULL_ATTENTION
 
     @property
     def sliding_window(self) -> int | None:
@@ -54,7 +67,7 @@ class SlidingWindowSpec:
     the next query are never read again."""
 
     window: int
-    kind: str = "sliding_window"
+    kind: str = SLIDING_WINDOW
 
     @property
     def sliding_window(self) -> int | None:
@@ -103,7 +116,7 @@ def make_kv_cache_groups(config: ModelConfig, enable: bool = True) -> list[KVCac
     size = min(counts)
     if max(counts) < 1.25 * size:
         size = max(counts)
-    order = sorted(by_spec, key=lambda s: (s.kind != "full_attention", by_spec[s][0]))
+    order = sorted(by_spec, key=lambda s: (s.kind != FULL_ATTENTION, by_spec[s][0]))
     groups: list[KVCacheGroupSpec] = []
     for spec in order:
         layers = by_spec[spec]

@@ -144,7 +144,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.hold_blocks = 0
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+        return self.spec.num_skipped_blocks(num_computed_tokens, self.block_size)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_blocks: int
