@@ -180,14 +180,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def measure_loads(model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Host-tier load of a long prompt, groups on vs off, interleaved."""
-    llms = {
+def _load_engines(model: str, args: argparse.Namespace, extra=lambda name: {}) -> dict[str, LLM]:
+    """The two engines of a load measurement: KV groups "on" and "off", a host tier each
+    (``extra(name)``: more arguments of that engine)."""
+    return {
         name: LLM(model, block_size=BS, num_kv_blocks=args.load_blocks[name], kv_groups=on,
                   kv_offload_size=0.25, dtype="float32", num_threads=1,
-                  max_num_batched_tokens=2048)
+                  max_num_batched_tokens=2048, **extra(name))
         for name, on in (("on", True), ("off", False))
     }  # fmt: skip
+
+
+def measure_loads(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Host-tier load of a long prompt, groups on vs off, interleaved."""
+    llms = _load_engines(model, args)
     rng = random.Random(7)
     vocab = llms["on"].engine.runner.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -232,12 +238,7 @@ def measure_loads(model: str, args: argparse.Namespace) -> dict[str, Any]:
 def measure_storage_loads(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """fs-tier load of a long prompt (host tier emptied), groups on vs off, interleaved."""
     root = Path(tempfile.mkdtemp(prefix="kvgroups-fs-"))
-    llms = {
-        name: LLM(model, block_size=BS, num_kv_blocks=args.load_blocks[name], kv_groups=on,
-                  kv_offload_size=0.25, dtype="float32", num_threads=1,
-                  max_num_batched_tokens=2048, kv_tier=[f"fs:path={root / name},size=2"])
-        for name, on in (("on", True), ("off", False))
-    }  # fmt: skip
+    llms = _load_engines(model, args, lambda name: {"kv_tier": [f"fs:path={root / name},size=2"]})
     rng = random.Random(17)
     vocab = llms["on"].engine.runner.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
