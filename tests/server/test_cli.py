@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,17 +14,12 @@ from pathlib import Path
 import openai
 import zmq
 
+from kvserve.bench.ports import free_port
 from kvserve.kv.events import BlockStored, decode_batch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_command_end_to_end(tiny_model_dir: Path):
-    events_port = _free_port()
+    events_port = free_port()  # below the ephemeral range: see kvserve.bench.ports
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,56 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.bench.loadgen import LoadConfig, http_run, wait_for_server
-
-
-def _ephemeral_low() -> int:
-    """First port of the kernel's ephemeral range (outgoing connections' source ports)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_handed_out: set[int] = set()
-_rng = random.Random()  # its own state: tests that seed the global one do not repeat ports
-
-
-def _free_port_block(host: str, n: int, attempts: int = 500) -> int:
-    """A base port with ``n`` consecutive ports free to listen on, below the ephemeral range:
-    a port from ``bind(0)`` is one the kernel also hands to outgoing connections as their
-    source port, so a server started on it seconds later can find it taken (a test flake:
-    "Address already in use"). Never the same port twice in one process."""
-    low, high = 10000, _ephemeral_low() - n
-    for _ in range(attempts):
-        base = _rng.randrange(low, high) if high > low else 0
-        ports = range(base, base + n)
-        if base and not _handed_out.intersection(ports) and all(_bindable(host, p) for p in ports):
-            _handed_out.update(ports)
-            return base
-    from kvserve.server.data_parallel import _free_port_block as block  # the kernel's pick
-
-    return block(host, n)
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+from kvserve.bench.ports import free_port, free_port_block
 
 
 def offset_url(url: str, rank: int) -> str:
     from kvserve.cluster.data_parallel import offset_url as offset
 
     return offset(url, rank)
-
-
-def free_port() -> int:
-    """A loopback port free to listen on (see :func:`_free_port_block`)."""
-    return _free_port_block("127.0.0.1", 1)
 
 
 @dataclass
@@ -172,7 +127,7 @@ class LocalCluster:
                 if n == 1:
                     port, ev_port, replay_port = free_port(), free_port(), free_port()
                 else:  # rank r listens and publishes on port + r
-                    port, ev_port, replay_port = (_free_port_block("127.0.0.1", n) for _ in "abc")
+                    port, ev_port, replay_port = (free_port_block("127.0.0.1", n) for _ in "abc")
                 argv = [
                     "serve",
                     "--model", spec.model_dir,
