@@ -16,7 +16,10 @@ writer process opens the tier so, the engine's own instance sweeps for the bytes
 the engine, have nothing left to do for it; the pages stay cached for readers).
 Reads and writes run in the caller's thread, one file after the other: the storage worker owns
 the concurrency (its I/O threads each read one contiguous shard of a staging read); the
-``io_threads`` option is accepted for old configurations and ignored.
+``io_threads`` option is accepted for old configurations and ignored. A read first takes what
+the page cache holds without waiting (``RWF_NOWAIT``) and tells the caller (``on_wait``)
+before it waits on the device for the rest: chunks another process just wrote are a memory
+copy, best made by one thread, chunks on the device want reads in flight.
 
 Layout: ``<path>/<codec.namespace>/<key[0:1].hex()>/<key.hex()>.kvc``, each file being
 ``codec.header(key, payload) + payload``. The namespace separates models, layouts and format
@@ -36,11 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +70,8 @@ TOUCH_AFTER_S = 10.0  # a hit sets the mtime of a file untouched for longer than
 _MISS, _HIT, _CORRUPT = 0, 1, 2
 
 
+# preadv2 flag: read only what the page cache holds, never wait for the device (Linux >= 4.14).
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _SYNC_FILE_RANGE_WRITE = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 _sync_file_range = getattr(_libc, "sync_file_range", None)
@@ -102,6 +108,7 @@ class FsBackend(StorageBackend):
     name = "fs"
     locality = "LOCAL"
     shared = True
+    page_cache_reads = True
 
     def __init__(
         self,
@@ -149,6 +156,7 @@ class FsBackend(StorageBackend):
         except OSError as e:
             raise OSError(e.errno, f"fs tier: cannot create {self.dir}: {e.strerror}") from e
         del io_threads  # reads run in the caller's thread (the storage worker shards them)
+        self._nowait = _RWF_NOWAIT != 0  # reads can tell a cached chunk from one that waits
         self._lock = threading.Lock()
         self._used = 0  # bytes in the namespace at the last sweep
         self._written_since_sweep = 0  # bytes this instance wrote since then
@@ -203,7 +211,9 @@ class FsBackend(StorageBackend):
             run += 1
         return run
 
-    def _read(self, key: bytes, out: memoryview) -> int | OSError:
+    def _read(
+        self, key: bytes, out: memoryview, on_wait: Callable[[], None] | None
+    ) -> int | OSError:
         path = self.path_of(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -216,7 +226,16 @@ class FsBackend(StorageBackend):
             if st.st_size != self.stored_bytes:
                 return _CORRUPT
             header = bytearray(HEADER_BYTES)
-            if not preadv_all(fd, [header, out], 0):
+            done = 0
+            if on_wait is not None:
+                done = self._read_cached(fd, header, out)
+                if done < self.stored_bytes:
+                    on_wait()  # the rest waits on the device
+            if done < HEADER_BYTES:
+                bufs = [memoryview(header)[done:], out]
+            else:
+                bufs = [out[done - HEADER_BYTES :]]
+            if done < self.stored_bytes and not preadv_all(fd, bufs, done):
                 return _CORRUPT
             digest = self.codec.check_header(key, header)
             if digest is None or payload_digest(out) != digest:
@@ -229,12 +248,33 @@ class FsBackend(StorageBackend):
         finally:
             os.close(fd)
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[bool]:
+    def _read_cached(self, fd: int, header: bytearray, out: memoryview) -> int:
+        """Bytes of the file read without waiting (``RWF_NOWAIT``: what the page cache holds
+        from its start; 0 where the kernel or file system cannot tell)."""
+        if not self._nowait:
+            return 0
+        try:
+            return os.preadv(fd, [header, out], 0, _RWF_NOWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            self._nowait = False  # not on this file system: every read may wait
+            return 0
+
+    def get(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        on_wait: Callable[[], None] | None = None,
+    ) -> list[bool]:
         n = len(keys)
         t0 = time.perf_counter()
         # In the caller's thread: a hand-off per chunk to another pool costs more than the
-        # read of a chunk from the page cache (the storage worker shards reads over threads).
-        res = [self._read(keys[i], memoryview(outs[i]).cast("B")) for i in range(n)]
+        # read of a chunk from the page cache (the storage worker shards reads over threads,
+        # once ``on_wait`` says a read waits on the device).
+        res = [self._read(keys[i], memoryview(outs[i]).cast("B"), on_wait) for i in range(n)]
         dt = time.perf_counter() - t0
         corrupt = 0
         for k, r in zip(keys, res, strict=True):

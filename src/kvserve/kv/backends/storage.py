@@ -97,6 +97,11 @@ class StorageBackend(ABC):
     # exists() answers from memory (no I/O): the connector may look up on the engine thread
     # instead of making the request wait a step for an asynchronous lookup.
     lookup_in_memory: ClassVar[bool] = False
+    # Reads may come from the page cache (a memory copy: bound by memory bandwidth, which one
+    # thread nearly saturates) or wait on a device (where more reads in flight help): get()
+    # takes ``on_wait``, called when a read finds its chunk not cached, so that the caller
+    # reads with one thread until then and spreads the rest over its I/O threads after.
+    page_cache_reads: ClassVar[bool] = False
 
     def __init__(self, codec: ChunkCodec, *, tier_id: str | None = None) -> None:
         self.codec = codec
@@ -117,7 +122,8 @@ class StorageBackend(ABC):
     def get(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> list[bool]:
         """Read and verify each chunk's payload into ``outs[i]`` (``payload_bytes`` each).
         False: a miss (absent, corrupt — then removed —, or an I/O error); ``outs[i]`` may
-        then hold garbage and must not be used."""
+        then hold garbage and must not be used. A tier with :attr:`page_cache_reads` also
+        takes ``on_wait`` (a callable, or None), called before a read that has to wait."""
 
     @abstractmethod
     def put(
