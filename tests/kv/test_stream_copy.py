@@ -4,6 +4,7 @@ bounds checked before anything is written; and the numpy fallback where it is no
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -140,3 +141,84 @@ def test_numpy_fallback_copies_the_same_blocks(monkeypatch) -> None:
     finally:
         threads.shutdown()
     assert torch.equal(threaded, got)
+
+
+# ------------------------------------------------------------- copies gated by forward passes
+IN_FORWARD_TIMEOUT_NS = 30 * 10**9  # far away: only the gate lets a piece through
+
+
+def gated(src, dst, segments, gate, start=0, piece=64 << 10, max_forward=1 << 30, deadline=None):
+    deadline_ns = time.monotonic_ns() + IN_FORWARD_TIMEOUT_NS if deadline is None else deadline
+    flat = np.asarray(segments, np.int64).reshape(-1)
+    return native.copy_gated(src, dst, flat, gate, start, piece, max_forward, deadline_ns)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(segments=segment_lists(), cut=st.floats(0, 1), piece=st.integers(1, 200 << 10))
+def test_gated_copy_resumed_anywhere_matches_numpy(segments, cut, piece) -> None:
+    """Copied in a gap, in pieces of any size, after an earlier call stopped at any byte: the
+    same bytes as one plain copy."""
+    rng = np.random.default_rng(len(segments))
+    src = rng.integers(0, 256, BUF, dtype=np.uint8)
+    dst = rng.integers(0, 256, BUF, dtype=np.uint8)
+    want = reference(src, dst, segments)
+    total = sum(n for _, _, n in segments)
+    start = int(cut * total)
+    suffix, skip = [], start  # what is left after an earlier call copied `start` bytes
+    for s, d, n in segments:
+        k = min(n, skip)
+        suffix.append((s + k, d + k, n - k))
+        skip -= k
+    resumed = dst.copy()
+    gate = np.zeros(8, np.int32)  # no forward pass runs
+    end, in_forward_ns = gated(src, resumed, segments, gate, start=start, piece=piece)
+    assert end == total and in_forward_ns == 0
+    assert np.array_equal(resumed, reference(src, dst, suffix))  # nothing before `start`
+    if start == 0:
+        end, _ = gated(src, dst, segments, gate, piece=piece)
+        assert end == total and np.array_equal(dst, want)
+
+
+@needs_native
+def test_gated_copy_waits_for_the_gap_and_returns_for_more_urgent_work() -> None:
+    src = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    segments = [(0, 4 << 20, 3 << 20), (5 << 20, 0, 1 << 20)]
+    gate = np.zeros(8, np.int32)
+    native.gate_forward(gate, True)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(gated(src, dst, segments, gate)))
+    t.start()
+    time.sleep(0.1)
+    assert not out and not dst.any()  # waits while the forward pass runs
+    native.gate_forward(gate, False)  # the gap: copied at once
+    t.join(10)
+    want = reference(src, np.zeros_like(src), segments)
+    assert out == [(4 << 20, 0)] and np.array_equal(dst, want)
+
+    dst[:] = 0
+    native.gate_forward(gate, True)
+    native.gate_set(gate, 5, 1)  # yield: more urgent work waits; nothing copied
+    assert gated(src, dst, segments, gate) == (0, 0) and not dst.any()
+    native.gate_set(gate, 5, 0)
+    native.gate_set(gate, 4, 1)  # released: copies during the forward pass, counted so
+    end, in_forward_ns = gated(src, dst, segments, gate)
+    assert end == 4 << 20 and in_forward_ns > 0
+    native.gate_set(gate, 4, 0)
+    forwards = int(gate[3])
+    assert gated(src, dst, segments, gate, max_forward=forwards - 1)[0] == 4 << 20  # lagging
+    assert gated(src, dst, segments, gate, deadline=time.monotonic_ns() - 1)[0] == 4 << 20
+    with pytest.raises(ValueError, match="cannot be set"):
+        native.gate_set(gate, 0, 1)  # the sequence word is the gate's own
+
+
+@needs_native
+def test_gated_copy_checks_every_segment_before_copying() -> None:
+    src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
+    gate = np.zeros(8, np.int32)
+    with pytest.raises(IndexError, match="out of range"):
+        gated(src, dst, [(0, 0, 4096), (0, (1 << 20) - 10, 11)], gate)
+    assert not dst.any()
+    with pytest.raises(ValueError, match="gate"):
+        gated(src, dst, [(0, 0, 10)], np.zeros(4, np.int32))

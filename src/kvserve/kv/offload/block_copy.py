@@ -16,6 +16,10 @@ with the engine thread's, and a load of ~50 runs per 64 MiB (the primary pool's 
 steady state) measured 3.1-4.1 GB/s that way vs 4.5-6.4 GB/s split by bytes with numpy (torch's
 copy of one buffer: ~8.5). Stores copy on one thread, so that they take one core at most from
 the forward pass they overlap.
+
+A store's copy is gated by the engine's forward passes (:class:`ForwardGate`): it copies piece
+by piece while no forward pass runs, waiting on the gate natively, without the GIL (see
+``_stream_copy.c`` for why a wait in Python cannot use the gaps).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import numpy as np
 import torch
 
 try:
+    from kvserve.kv.offload import _stream_copy as _native
     from kvserve.kv.offload._stream_copy import copy_segments as _native_copy_segments
 except ImportError:  # built without a C compiler (setup.py marks the extension optional)
-    _native_copy_segments = None
+    _native = _native_copy_segments = None
 
 # Whether host copies use the native streaming-store copier (else numpy's memcpy).
 NATIVE = _native_copy_segments is not None
@@ -206,6 +211,81 @@ def copy_blocks(
         for s, d, n in runs:
             dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
     return len(src_ids) * src[0].numel() * src.element_size()
+
+
+def host_segments(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat byte views of two host block tensors and the ``[n, 3]`` int64 (source offset,
+    destination offset, length) segments that copy ``src[src_ids[i]]`` to ``dst[dst_ids[i]]``
+    (one per run, bounds-checked)."""
+    runs = block_runs(src_ids, dst_ids)
+    for s, d, n in runs:
+        if s < 0 or d < 0 or s + n > src.shape[0] or d + n > dst.shape[0]:
+            raise IndexError(f"block run {s}->{d} (x{n}) out of range")
+    s_np, d_np = as_byte_rows(src), as_byte_rows(dst)
+    segments = np.asarray(runs, dtype=np.int64).reshape(-1, 3) * s_np.shape[1]
+    return s_np.reshape(-1), d_np.reshape(-1), segments
+
+
+class ForwardGate:
+    """Says whether the engine runs a forward pass, to copies that wait for the gaps between
+    them (:meth:`copy`). The engine thread calls :meth:`forward`; the owner of the copies sets
+    :meth:`release` (copy at once: someone waits for them) and :meth:`yield_` (return before
+    the next piece: more urgent work is queued). Native only (:data:`GATED`)."""
+
+    _IN_FORWARD, _FORWARDS, _RELEASE, _YIELD = 2, 3, 4, 5
+
+    def __init__(self) -> None:
+        if _native is None:
+            raise RuntimeError("ForwardGate needs the native _stream_copy extension")
+        self._gate = np.zeros(8, dtype=np.int32)
+        self._release = self._yield = False
+
+    def forward(self, begins: bool) -> None:
+        _native.gate_forward(self._gate, begins)
+
+    def release(self, on: bool) -> None:
+        if on != self._release:
+            self._release = on
+            _native.gate_set(self._gate, self._RELEASE, int(on))
+
+    def yield_(self, on: bool) -> None:
+        if on != self._yield:
+            self._yield = on
+            _native.gate_set(self._gate, self._YIELD, int(on))
+
+    @property
+    def forwards(self) -> int:
+        """Forward passes begun (wraps at 2**31)."""
+        return int(self._gate[self._FORWARDS])
+
+    def copy(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        segments: np.ndarray,
+        start: int,
+        piece_bytes: int,
+        max_forward: int,
+        deadline: float,
+    ) -> tuple[int, float]:
+        """Copy ``segments`` (from :func:`host_segments`) from byte ``start`` of their
+        concatenation, ``piece_bytes`` at a time, each piece in a gap between forward passes,
+        or regardless once the gate counts more than ``max_forward`` forward passes, is
+        released, or ``time.monotonic()`` reaches ``deadline``. Returns the byte where it
+        stopped (the total unless the gate asked to yield) and the CPU seconds it copied
+        during forward passes."""
+        max_forward = (max_forward + (1 << 31)) % (1 << 32) - (1 << 31)  # the gate's int32
+        end, in_forward_ns = _native.copy_gated(
+            src, dst, segments.reshape(-1), self._gate, start, piece_bytes, max_forward,
+            int(deadline * 1e9),
+        )  # fmt: skip
+        return end, in_forward_ns / 1e9
+
+
+# Whether stores can wait for the gaps natively (:class:`ForwardGate`).
+GATED = _native is not None and hasattr(_native, "copy_gated")
 
 
 def as_byte_rows(blocks: torch.Tensor) -> np.ndarray:

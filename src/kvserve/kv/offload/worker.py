@@ -19,8 +19,11 @@ free): the engine says when a forward begins and ends (:meth:`forward_begins`,
 :meth:`forward_ends`), and a store waits, piece by piece, while one runs, for at most
 ``store_max_lag`` forward passes (or ``store_max_wait_s``) after it was submitted, and while
 fewer than ``store_max_pending_blocks`` store blocks are pending; past that, or when the
-engine waits for it (a flush, an idle engine), it copies at once. Its CPU time is counted
-apart when it ran during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
+engine waits for it (a flush, an idle engine), it copies at once. The wait is native
+(:class:`~kvserve.kv.offload.block_copy.ForwardGate`: a futex, no GIL), so a piece starts the
+moment a forward pass ends; a wait in Python could not (the engine thread holds the GIL in the
+gap), and is only the fallback without the native extension. Its CPU time is counted apart
+when it ran during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
 On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
 compute stream (the forward that wrote its blocks), and completion is polled with
 ``Event.query()``. ``poll`` never blocks; ``wait`` does (flush before a preempted request's
@@ -41,7 +44,13 @@ import torch
 
 from kvserve.kv.backends.checksum import block_checksums
 from kvserve.kv.backends.cpu import CpuBackend
-from kvserve.kv.offload.block_copy import CopyThreads, copy_blocks
+from kvserve.kv.offload.block_copy import (
+    GATED,
+    CopyThreads,
+    ForwardGate,
+    copy_blocks,
+    host_segments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +159,9 @@ class CpuTransferWorker(TransferWorker):
     # Store blocks submitted and not copied beyond which stores copy at once (lagging stores
     # hold their requests' blocks in the primary pool): set by the owner from the pool size.
     store_max_pending_blocks = 1 << 30
-    # A store copies in pieces of this many bytes, looking between them for a forward pass.
-    store_piece_bytes = 1 << 20
+    # A store copies in pieces of this many bytes, looking between them for a forward pass
+    # (natively: a piece that a forward pass begins under overlaps it by ~25 us at most).
+    store_piece_bytes = 256 << 10 if GATED else 1 << 20
 
     def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend) -> None:
         super().__init__(kv_cache, tier)
@@ -169,6 +179,7 @@ class CpuTransferWorker(TransferWorker):
         self._pending_store_blocks = 0  # submitted, result not produced yet
         self._store_blocks: dict[int, int] = {}  # of each such store job
         self._gap_waiters = 0  # stores waiting in _hold_store for a forward pass to end
+        self._gate = ForwardGate() if GATED else None  # else stores wait in _hold_store
         # CPU seconds of this thread spent on stores, and the part of it during forward passes.
         self.store_cpu_s = 0.0
         self.store_cpu_in_forward_s = 0.0
@@ -193,14 +204,19 @@ class CpuTransferWorker(TransferWorker):
                     self._queued_loads += 1
                 self._inflight.add(job.job_id)
                 self._queue.append(job)
+            self._update_gate()
             self._cond.notify_all()
 
     def forward_begins(self) -> None:
         self._forwards += 1
         self._in_forward = True  # read by the transfer thread between pieces (no lock)
+        if self._gate is not None:
+            self._gate.forward(True)
 
     def forward_ends(self) -> None:
         self._in_forward = False
+        if self._gate is not None:
+            self._gate.forward(False)
         # Wake the transfer thread only when a store waits for this: a needless wake-up makes
         # it take the GIL from the engine thread (milliseconds on a loaded machine).
         if self._gap_waiters:
@@ -217,6 +233,18 @@ class CpuTransferWorker(TransferWorker):
             or self._pending_store_blocks > self.store_max_pending_blocks
             or time.monotonic() - job.submitted_at > self.store_max_wait_s
         )
+
+    def _update_gate(self) -> None:
+        """Tell a store waiting natively to copy at once, or to return for queued loads (the
+        conditions of :meth:`_store_may_copy` that are not about time or forward passes). The
+        caller holds ``_cond``."""
+        if self._gate is not None:
+            self._gate.release(
+                self._urgent > 0
+                or self._stop
+                or self._pending_store_blocks > self.store_max_pending_blocks
+            )
+            self._gate.yield_(self._queued_loads > 0)
 
     def _hold_store(self, job: TransferJob) -> bool:
         """Between a store's pieces: wait for the current forward pass to end, running loads
@@ -251,6 +279,7 @@ class CpuTransferWorker(TransferWorker):
             self._queue.remove(job)
         if load:
             self._queued_loads -= len(batch)
+            self._update_gate()
         return batch
 
     def _publish(self, results: list[TransferResult]) -> None:
@@ -270,20 +299,24 @@ class CpuTransferWorker(TransferWorker):
         ids = set(job_ids)
         with self._cond:
             self._urgent += 1
+            self._update_gate()
             self._cond.notify_all()
             try:
                 self._cond.wait_for(lambda: not (ids & self._inflight))
             finally:
                 self._urgent -= 1
+                self._update_gate()
 
     def wait_any(self, timeout: float) -> None:
         with self._cond:
             self._urgent += 1
+            self._update_gate()
             self._cond.notify_all()
             try:
                 self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
             finally:
                 self._urgent -= 1
+                self._update_gate()
 
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         ids = set(job_ids)
@@ -293,6 +326,7 @@ class CpuTransferWorker(TransferWorker):
                 self._queue.remove(job)
                 self._queued_loads -= not job.is_store
                 self._finish(TransferResult(job.job_id, ok=False, cancelled=True))
+            self._update_gate()
         return {j.job_id for j in dropped}
 
     def shutdown(self) -> None:
@@ -302,6 +336,7 @@ class CpuTransferWorker(TransferWorker):
                 self._finish(TransferResult(job.job_id, ok=False, cancelled=True))
             self._queue.clear()
             self._queued_loads = 0
+            self._update_gate()
             self._cond.notify_all()
         self._thread.join(timeout=30)
         self._copy_threads.shutdown()
@@ -309,7 +344,9 @@ class CpuTransferWorker(TransferWorker):
     def _finish(self, result: TransferResult) -> None:
         """Publish a result; the caller holds ``_cond``."""
         self._inflight.discard(result.job_id)
-        self._pending_store_blocks -= self._store_blocks.pop(result.job_id, 0)
+        if result.job_id in self._store_blocks:
+            self._pending_store_blocks -= self._store_blocks.pop(result.job_id)
+            self._update_gate()
         self._results.append(result)
         self._cond.notify_all()
 
@@ -334,6 +371,55 @@ class CpuTransferWorker(TransferWorker):
             logger.exception("KV transfer job %d failed", job.job_id)
             return [TransferResult(job.job_id, ok=False, bad_chunks=list(range(len(job.chunks))))]
 
+    def _copy_store_gated(
+        self, head: TransferJob, src_ids: list[int], dst_ids: list[int]
+    ) -> list[float]:
+        """A store batch's copy, gated natively by the forward passes (lag and deadline from
+        its first job), running loads queued meanwhile. Returns [CPU s copied during forward
+        passes, CPU s of those loads]."""
+        src, dst, segments = host_segments(self.kv_cache, self.tier.blocks, src_ids, dst_ids)
+        total, start, cpu = int(segments[:, 2].sum()), 0, [0.0, 0.0]
+        while True:
+            start, in_forward_s = self._gate.copy(
+                src, dst, segments, start, self.store_piece_bytes,
+                head.submitted_forward + self.store_max_lag,
+                head.submitted_at + self.store_max_wait_s,
+            )  # fmt: skip
+            cpu[0] += in_forward_s
+            if start >= total:
+                return cpu
+            with self._cond:  # the gate asked to yield: loads are queued
+                loads = self._take_batch(load=True) if self._queued_loads else []
+            if loads:
+                t = time.thread_time()
+                self._publish(self._run_safe(loads))
+                cpu[1] += time.thread_time() - t
+
+    def _copy_store_held(
+        self, head: TransferJob, src_ids: list[int], dst_ids: list[int]
+    ) -> list[float]:
+        """The same as :meth:`_copy_store_gated`, waiting in Python (:meth:`_hold_store`):
+        without the native extension."""
+        # CPU time at the last piece, in forward passes so far, running loads meanwhile.
+        cpu = [time.thread_time(), 0.0, 0.0]
+        in_forward = [False]
+
+        def between_pieces() -> None:
+            now = time.thread_time()
+            if in_forward[0]:
+                cpu[1] += now - cpu[0]
+            in_forward[0] = self._hold_store(head)
+            cpu[0] = time.thread_time()
+            cpu[2] += cpu[0] - now
+
+        copy_blocks(
+            self.kv_cache, self.tier.blocks, src_ids, dst_ids,
+            piece_bytes=self.store_piece_bytes, between_pieces=between_pieces,
+        )  # fmt: skip
+        if in_forward[0]:
+            cpu[1] += time.thread_time() - cpu[0]
+        return cpu[1:]
+
     def _run(self, batch: list[TransferJob]) -> list[TransferResult]:
         """Jobs of one direction as one transfer: one verification or header pass, one
         :func:`copy_blocks` (runs merge across jobs). Each job is charged its share of the
@@ -342,35 +428,21 @@ class CpuTransferWorker(TransferWorker):
         tier = self.tier
         chunks = [c for job in batch for c in job.chunks]
         if batch[0].is_store:
-            head = batch[0]
-            # CPU time at the last piece, in forward passes so far, running loads meanwhile.
-            cpu = [time.thread_time(), 0.0, 0.0]
-            in_forward = [False]
-
-            def between_pieces() -> None:
-                now = time.thread_time()
-                if in_forward[0]:
-                    cpu[1] += now - cpu[0]
-                in_forward[0] = self._hold_store(head)
-                cpu[0] = time.thread_time()
-                cpu[2] += cpu[0] - now
-
             t_cpu = time.thread_time()
-            copy_blocks(
-                self.kv_cache, tier.blocks, [b for c in chunks for b in c.block_ids],
-                _tier_ids(tier, chunks), piece_bytes=self.store_piece_bytes,
-                between_pieces=between_pieces,
-            )  # fmt: skip
-            if in_forward[0]:
-                cpu[1] += time.thread_time() - cpu[0]
+            src_ids, dst_ids = [b for c in chunks for b in c.block_ids], _tier_ids(tier, chunks)
+            if self._gate is not None:
+                # [CPU s in forward passes, CPU s of loads run meanwhile]
+                cpu = self._copy_store_gated(batch[0], src_ids, dst_ids)
+            else:
+                cpu = self._copy_store_held(batch[0], src_ids, dst_ids)
             # Checksums of the source: a copy that went wrong fails the load's verification.
             sums = block_checksums(
                 self._kv_u8, [c.block_ids for c in chunks], tier.layout.blocks_per_chunk
             )
             tier.record([c.slot for c in chunks], [c.key for c in chunks], sums)
             good = [True] * len(chunks)
-            self.store_cpu_s += time.thread_time() - t_cpu - cpu[2]
-            self.store_cpu_in_forward_s += cpu[1]
+            self.store_cpu_s += time.thread_time() - t_cpu - cpu[1]
+            self.store_cpu_in_forward_s += cpu[0]
         else:
             # Every chunk is copied while this thread verifies them (the copy threads do not
             # wait for it): a chunk that fails is reported bad, and the connector has its blocks
