@@ -172,6 +172,40 @@ def test_a_killed_writer_drops_later_writes(process_worker, host: CpuBackend) ->
     assert not disk._writing and disk.usage()[0] == 0
 
 
+def test_the_writer_process_applies_fs_retention(process_worker, host: CpuBackend) -> None:
+    """With a writer process, the fs tier's retention runs there with the writes (a sweep
+    lists and stats every file: Python that held the engine process's GIL against the engine
+    thread): this process runs no sweeper, yet the namespace stays within its size, and the
+    writer's evictions and usage reach this process's counters."""
+    worker = process_worker()
+    fs = worker.tiers[1]
+    assert fs._sweeper is None  # stopped when the writer process took the writes
+    slots = list(range(32))
+    fill(host, slots, seed=5)
+    payloads = [memoryview(host.slots_u8[s].numpy()) for s in slots]
+    rng = random.Random(6)
+    limit = fs.size_bytes // fs.stored_bytes
+
+    def held() -> int:
+        return sum(1 for _, _, files in os.walk(fs.dir) for f in files if f.endswith(".kvc"))
+
+    written = 0
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:  # unique chunks, 1.25x the tier's size at least
+        assert worker.write([rng.randbytes(32) for _ in slots], payloads) is not None
+        (res,) = wait_results(worker, 1)
+        written += sum(res.ok)
+        if written > 1.25 * limit and fs.stats.evicted and held() <= limit:
+            break
+        time.sleep(0.05)  # the writer's sweeper runs between writes
+    assert written > 1.25 * limit and fs.stats.evicted > 0, (written, limit, fs.stats)
+    assert held() <= limit
+    # The writer's usage: what its last sweep left plus what it wrote since (one early sweep
+    # is due every sweep_after bytes).
+    assert 0 < fs.usage()[0] <= fs.size_bytes + fs.sweep_after + len(slots) * fs.stored_bytes
+    assert fs._sweeper is None
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     from kvserve import LLM
