@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.kv.backends.base import Backend
 from kvserve.kv.events import AnyKVEvent, BlockRemoved, BlockStored
@@ -39,6 +40,24 @@ class ChunkMeta:
     group_idx: int = 0
     kv_cache_spec_kind: str = "full_attention"
     kv_cache_spec_sliding_window: int | None = None
+
+    def stored_event(self, block_size: int, medium: str, **fields: Any) -> BlockStored:
+        """This chunk's ``BlockStored`` (``fields``: a storage tier's, such as ``locality``).
+        Its lists are copies that a run of chunks may extend; ``extra_keys`` has an entry per
+        block (None where a block has none) until :func:`finish_extra_keys`."""
+        return BlockStored(
+            block_hashes=list(self.block_hashes),
+            parent_block_hash=self.parent_block_hash,
+            token_ids=list(self.token_ids),
+            block_size=block_size,
+            medium=medium,
+            lora_name=self.lora_name,
+            extra_keys=list(self.extra_keys or [None] * len(self.block_hashes)),
+            group_idx=self.group_idx,
+            kv_cache_spec_kind=self.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=self.kv_cache_spec_sliding_window,
+            **fields,
+        )
 
 
 @dataclass
@@ -315,24 +334,14 @@ class OffloadingManager:
                 event.extra_keys.extend(extra)
                 continue
             if event is not None:
-                self._events.append(_finish_extra(event))
-            event = BlockStored(
-                block_hashes=list(m.block_hashes),
-                parent_block_hash=m.parent_block_hash,
-                token_ids=list(m.token_ids),
-                block_size=self.block_size,
-                medium=self.medium,
-                lora_name=m.lora_name,
-                extra_keys=list(extra),
-                group_idx=m.group_idx,
-                kv_cache_spec_kind=m.kv_cache_spec_kind,
-                kv_cache_spec_sliding_window=m.kv_cache_spec_sliding_window,
-            )
+                self._events.append(finish_extra_keys(event))
+            event = m.stored_event(self.block_size, self.medium)
         if event is not None:
-            self._events.append(_finish_extra(event))
+            self._events.append(finish_extra_keys(event))
 
 
-def _finish_extra(event: BlockStored) -> BlockStored:
+def finish_extra_keys(event: BlockStored) -> BlockStored:
+    """No ``extra_keys`` at all where no block has any (as vLLM's events say it)."""
     if event.extra_keys is not None and all(x is None for x in event.extra_keys):
         event.extra_keys = None
     return event

@@ -83,16 +83,23 @@ class SchedulerSide:
         self._lookups[rid] = LookupResult(num_computed_tokens, num_external, sources, hits)
         return num_external, True
 
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None:
-        rid = request.request_id
+    def _forget_lookup(self, rid: str) -> LookupResult | None:
+        """Drop what the lookups of ``rid`` left (the request was allocated or ended): its
+        answer (returned), its wait for host slots, its group stage, its storage-tier lookup
+        (a result still in flight is ignored when it comes)."""
         lookup = self._lookups.pop(rid, None)
         self._room_waits.pop(rid, None)
         self._drop_stage(rid)
         tl = self._tier_lookups.pop(rid, None)
         if tl is not None:
             self._lookup_ops.pop(tl.op_id, None)
+        return lookup
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        lookup = self._forget_lookup(rid)
         st = self._reqs.get(rid)
         if st is None:
             st = self._reqs[rid] = RequestState(request)
@@ -295,12 +302,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id
-        self._lookups.pop(rid, None)
-        self._room_waits.pop(rid, None)
-        self._drop_stage(rid)
-        tl = self._tier_lookups.pop(rid, None)
-        if tl is not None:
-            self._lookup_ops.pop(tl.op_id, None)
+        self._forget_lookup(rid)
         st = self._reqs.get(rid)
         if st is None:
             return False

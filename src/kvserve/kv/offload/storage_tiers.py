@@ -25,9 +25,9 @@ import logging
 import time
 
 from kvserve.kv.connector import KVConnectorOutput
-from kvserve.kv.events import BlockRemoved, BlockStored
+from kvserve.kv.events import BlockRemoved
 from kvserve.kv.offload.connector_state import JobRecord, TierLookup
-from kvserve.kv.offload.manager import ChunkMeta, OffloadingManager
+from kvserve.kv.offload.manager import ChunkMeta, OffloadingManager, finish_extra_keys
 from kvserve.kv.offload.storage_worker import StorageResult
 from kvserve.kv.offload.worker import ChunkCopy
 
@@ -272,21 +272,8 @@ class StorageTiers:
                 continue
             if not tier.shared:
                 self._tier_blocks[t][key] = (m.block_hashes, m.group_idx)
-            self._events.append(
-                BlockStored(
-                    block_hashes=list(m.block_hashes),
-                    parent_block_hash=m.parent_block_hash,
-                    token_ids=list(m.token_ids),
-                    block_size=self.block_size,
-                    medium=tier.medium,
-                    lora_name=m.lora_name,
-                    extra_keys=m.extra_keys,
-                    group_idx=m.group_idx,
-                    kv_cache_spec_kind=m.kv_cache_spec_kind,
-                    kv_cache_spec_sliding_window=m.kv_cache_spec_sliding_window,
-                    **tier.event_fields(),
-                )
-            )
+            event = m.stored_event(self.block_size, tier.medium, **tier.event_fields())
+            self._events.append(finish_extra_keys(event))
 
     def _collect_tier_evictions(self) -> None:
         for t, tier in enumerate(self.tiers):
