@@ -119,18 +119,6 @@ class SimPDConnector(KVConnectorBase):
     def check_kv_transfer_params(self, params: dict[str, Any]) -> None:
         pdp.check(params)
 
-    def _usable_blocks(self, request: Request, remote: pdp.RemotePrefill) -> int:
-        n = remote.num_blocks
-        hashes = request.block_hashes
-        if (
-            remote.fingerprint != self.fingerprint
-            or remote.block_size != self.block_size
-            or n > len(hashes)
-            or (n and hashes[n - 1] != remote.last_block_hash)
-        ):
-            return 0
-        return n
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -141,7 +129,7 @@ class SimPDConnector(KVConnectorBase):
         remote = pdp.parse_remote_prefill(request.kv_transfer_params)
         if remote is None:
             return 0, False
-        n = self._usable_blocks(request, remote)
+        n, _ = remote.usable_blocks(request.block_hashes, self.fingerprint, self.block_size)
         end = min(n * self.block_size, request.num_tokens - 1)
         if end - num_computed_tokens <= 0:
             return 0, False
@@ -198,8 +186,7 @@ class SimPDConnector(KVConnectorBase):
             return False
         assert self.leases is not None
         bs = self.block_size
-        n = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
-        n = min(n, len(block_ids), len(request.block_hashes))
+        n = pdp.offered_blocks(request, block_ids, bs)
         lease_id = "none"
         if n:
             lease_id = self.leases.add(rid, block_ids[:n], request.block_hashes[:n]).lease_id

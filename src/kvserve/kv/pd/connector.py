@@ -144,20 +144,6 @@ class PDConnector(KVConnectorBase):
     def check_kv_transfer_params(self, params: dict[str, Any]) -> None:
         pdp.check(params)
 
-    def _usable_blocks(self, request: Request, remote: pdp.RemotePrefill) -> tuple[int, str]:
-        """Leading remote blocks this request can use, or 0 and why not."""
-        n = remote.num_blocks
-        if remote.fingerprint != self.fingerprint:
-            return 0, f"model fingerprint {remote.fingerprint} is not ours ({self.fingerprint})"
-        if remote.block_size != self.block_size:
-            return 0, f"block size {remote.block_size} is not ours ({self.block_size})"
-        hashes = request.block_hashes
-        if n > len(hashes):
-            return 0, f"{n} remote blocks for a prompt of {len(hashes)} full blocks"
-        if n and hashes[n - 1] != remote.last_block_hash:
-            return 0, "the remote blocks hold another prompt (chain hash differs)"
-        return n, ""
-
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -168,7 +154,7 @@ class PDConnector(KVConnectorBase):
         remote = pdp.parse_remote_prefill(request.kv_transfer_params)
         if remote is None:
             return 0, False
-        n, _ = self._usable_blocks(request, remote)
+        n, _ = remote.usable_blocks(request.block_hashes, self.fingerprint, self.block_size)
         end = min(n * self.block_size, request.num_tokens - 1)
         num_external = end - num_computed_tokens
         if num_external <= 0:
@@ -195,7 +181,7 @@ class PDConnector(KVConnectorBase):
             return
         self._tried.add(rid)
         if num_external_tokens <= 0 or lookup is None:
-            _, why = self._usable_blocks(request, remote)
+            _, why = remote.usable_blocks(request.block_hashes, self.fingerprint, self.block_size)
             if why:
                 self._counts.refused += 1
                 logger.warning("request %s: remote KV refused (%s); prefilling locally", rid, why)
@@ -266,8 +252,7 @@ class PDConnector(KVConnectorBase):
             return False
         assert self.leases is not None
         bs = self.block_size
-        n = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
-        n = min(n, len(block_ids), len(request.block_hashes))
+        n = pdp.offered_blocks(request, block_ids, bs)
         lease_id = ""
         if n:
             lease = self.leases.add(rid, block_ids[:n], request.block_hashes[:n])

@@ -18,8 +18,12 @@ random 128-bit secret: only the holder of a response can pull its blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.engine.request import Request
 
 MAX_LEASE_ID_CHARS = 256
 
@@ -41,6 +45,29 @@ class RemotePrefill:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    def usable_blocks(
+        self, block_hashes: Sequence[bytes], fingerprint: str, block_size: int
+    ) -> tuple[int, str]:
+        """How many of these blocks a decode request (its ``block_hashes``) on an engine with
+        ``fingerprint`` and ``block_size`` can use: all of them, or 0 and why not."""
+        n = self.num_blocks
+        if self.fingerprint != fingerprint:
+            return 0, f"model fingerprint {self.fingerprint} is not ours ({fingerprint})"
+        if self.block_size != block_size:
+            return 0, f"block size {self.block_size} is not ours ({block_size})"
+        if n > len(block_hashes):
+            return 0, f"{n} remote blocks for a prompt of {len(block_hashes)} full blocks"
+        if n and block_hashes[n - 1] != self.last_block_hash:
+            return 0, "the remote blocks hold another prompt (chain hash differs)"
+        return n, ""
+
+
+def offered_blocks(request: Request, block_ids: Sequence[int], block_size: int) -> int:
+    """Full prompt blocks a finished prefill (``request``, holding ``block_ids``) offers to
+    its decode leg."""
+    n = min(request.num_computed_tokens, request.num_prompt_tokens) // block_size
+    return min(n, len(block_ids), len(request.block_hashes))
 
 
 def _is_int(v: Any) -> bool:
