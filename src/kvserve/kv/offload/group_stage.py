@@ -308,9 +308,6 @@ class GroupOffloading:
     ) -> bool:
         """:meth:`_reserve_store` for every KV cache group: each group's chunks under its own
         keys; a sliding group's chunk only while the window still holds all its blocks."""
-        if self._store_chunks_pending > self.max_pending_store_chunks:
-            self._counts["dropped_store_chunks"] += end - first
-            return False
         k = self.blocks_per_chunk
         mgr = self._mgr()
         n = len(chunks)

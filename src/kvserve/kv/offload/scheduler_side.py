@@ -247,7 +247,9 @@ class SchedulerSide:
         job = False
         if n_new and n_full > st.next_store_chunk:
             first, st.next_store_chunk = st.next_store_chunk, n_full
-            if self.per_group:
+            if self._store_chunks_pending > self.max_pending_store_chunks:
+                self._counts["dropped_store_chunks"] += n_full - first  # earlier stores lag
+            elif self.per_group:
                 job = self._reserve_group_store(
                     rid, request, first, n_full, scheduler_output, chunks, pins
                 )
@@ -271,9 +273,6 @@ class SchedulerSide:
         """Reserve tier slots for chunks ``first .. end - 1`` of ``request`` not held yet
         (keys already held or being stored are skipped by the manager)."""
         k = self.blocks_per_chunk
-        if self._store_chunks_pending > self.max_pending_store_chunks:
-            self._counts["dropped_store_chunks"] += end - first  # earlier stores lag: drop
-            return False
         keys = self._chunk_keys(request, first, end)
         metas = (
             [self._chunk_meta(request, i) for i in range(first, end)] if self.emit_events else None
