@@ -23,9 +23,9 @@ import zmq
 
 from kvserve import LLM
 from kvserve.bench.loadgen import wait_for_server
+from kvserve.bench.ports import free_port_block
 from kvserve.kv.events import decode_batch
 from kvserve.model.presets import make_model
-from kvserve.server.data_parallel import _free_port_block
 from tests.engine.test_llm_parity import MAX_TOKENS, HFOracle, _greedy, _prompts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,8 +75,8 @@ class DPServer:
 
 @pytest.fixture(scope="module")
 def dp_server(moe_dir, tmp_path_factory):
-    base = _free_port_block("127.0.0.1", 2)
-    events = _free_port_block("127.0.0.1", 2)
+    base = free_port_block("127.0.0.1", 2)
+    events = free_port_block("127.0.0.1", 2)
     log = tmp_path_factory.mktemp("dp") / "serve.log"
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", moe_dir, *SERVER_ARGS]
     cmd += ["--port", str(base), "--data-parallel-size", "2", "--enable-expert-parallel"]
@@ -222,7 +222,7 @@ def test_killed_rank_takes_the_group_down(dp_server):
 def test_independent_replicas_serve_and_stop_cleanly(tiny_model_dir):
     """Without expert parallelism: N independent engines (here a dense model), one port
     each; SIGTERM to the supervisor stops every rank and exits 0."""
-    base = _free_port_block("127.0.0.1", 2)
+    base = free_port_block("127.0.0.1", 2)
     cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(tiny_model_dir)]
     cmd += ["--served-model-name", "tiny-moe", "--num-kv-blocks", "64", "--max-model-len", "256"]
     cmd += ["--port", str(base), "--data-parallel-size", "2"]
