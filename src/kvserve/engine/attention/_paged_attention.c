@@ -63,7 +63,8 @@
 
 
 #define TILE_ROWS 64 /* query rows (queries x grouped heads) per work item */
-#define CHUNK 32     /* context tokens per online-softmax step */
+#define CHUNK 32     /* context tokens per online-softmax step (prefill tiles) */
+#define DECODE_CHUNK 16 /* the same for bf16 decode rows (<= CHUNK) */
 #define MAX_HEAD_DIM 512
 #define VMAX_ROWS 4 /* rows per register-resident group (vector path) */
 #define VMAX_ND 8   /* 16-lane vectors per row: head dim <= 128 (vector path) */
