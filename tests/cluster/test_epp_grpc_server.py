@@ -241,3 +241,155 @@ def test_hpack_blocks_both_ways_and_compression_error():
         await server.stop()
 
     asyncio.run(run())
+
+
+_DATA, _RST_STREAM = 0, 3
+
+
+def _grpc_messages(*texts: str) -> bytes:
+    """Length-prefixed gRPC messages (HealthCheckRequest: the text in ``service``)."""
+    out = b""
+    for text in texts:
+        payload = health_pb2.HealthCheckRequest(service=text).SerializeToString()
+        out += struct.pack(">BI", 0, len(payload)) + payload
+    return out
+
+
+def _stream_headers(encoder: hpack.Encoder, path: str = ECHO) -> bytes:
+    fields = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "epp")]
+    return encoder.encode([*fields, ("content-type", "application/grpc"), ("te", "trailers")])
+
+
+async def _read_answers(reader: asyncio.StreamReader, sid: int, n: int) -> list[str]:
+    """The next ``n`` messages of stream ``sid`` (frames of other streams and kinds skipped)."""
+    buf, texts = b"", []
+    while len(texts) < n:
+        kind, _, got, payload = await _read_frame(reader)
+        if kind != _DATA or got != sid:
+            continue
+        buf += payload
+        while len(buf) >= 5 and len(buf) >= 5 + struct.unpack(">I", buf[1:5])[0]:
+            length = struct.unpack(">I", buf[1:5])[0]
+            texts.append(health_pb2.HealthCheckRequest.FromString(buf[5 : 5 + length]).service)
+            buf = buf[5 + length :]
+    return texts
+
+
+class _Recorder:
+    """A stream handler: echoes each message at once, except ``wait...`` ones, answered after
+    a while (later messages must wait behind them); records what happened, in order."""
+
+    def __init__(self, call: Call, events: list) -> None:
+        self.call = call
+        self.events = events
+
+    def on_message(self, msg):
+        self.events.append((self.call.stream_id, "message", msg.service))
+        if not msg.service.startswith("wait"):
+            self.call.write(health_pb2.HealthCheckRequest(service=msg.service))
+            return None
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)
+            self.events.append((self.call.stream_id, "waited", msg.service))
+            self.call.write(health_pb2.HealthCheckRequest(service="done " + msg.service))
+
+        return later()
+
+    def on_end(self) -> None:
+        self.events.append((self.call.stream_id, "end", None))
+
+
+def test_stream_handlers_keep_message_order_behind_a_wait_and_end_once():
+    """Messages of a ``stream`` method are handled as they arrive; one whose answer waits
+    holds the later ones back (answers stay in order); the end comes once, after the last
+    answer, also when the client resets the stream while an answer is still waited for
+    (the EPP releases its in-flight count there: a late pick must not count again)."""
+
+    async def run() -> None:
+        events: list = []
+        server = GrpcServer(
+            {ECHO: Method(health_pb2.HealthCheckRequest, stream=lambda c: _Recorder(c, events))}
+        )
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        encoder = hpack.Encoder()
+        # stream 1: three messages in one frame, the first waits; then the client's end
+        writer.write(
+            _PREFACE
+            + _frame(_SETTINGS, 0, 0)
+            + _frame(_HEADERS, 0x4, 1, _stream_headers(encoder))
+            + _frame(_DATA, 0, 1, _grpc_messages("wait 1", "a", "b"))
+        )
+        assert await _read_answers(reader, 1, 3) == ["done wait 1", "a", "b"]
+        assert server.calls == 1 and (1, "end", None) not in events
+        writer.write(_frame(_DATA, 0x1, 1))  # END_STREAM: the call ends with OK
+        while True:
+            kind, flags, sid, payload = await _read_frame(reader)
+            if kind == _HEADERS and sid == 1:
+                assert flags & 0x1 and dict(hpack.Decoder().decode(payload))["grpc-status"] == "0"
+                break
+        assert [e for e in events if e[0] == 1][-1] == (1, "end", None)
+        # stream 3: reset by the client while its answer waits
+        writer.write(
+            _frame(_HEADERS, 0x4, 3, _stream_headers(encoder))
+            + _frame(_DATA, 0, 3, _grpc_messages("wait 3", "c"))
+            + _frame(_RST_STREAM, 0, 3, struct.pack(">I", 8))  # CANCEL
+        )
+        for _ in range(100):
+            if (3, "end", None) in events:
+                break
+            await asyncio.sleep(0.02)
+        mine = [e for e in events if e[0] == 3]
+        # "c" never reaches the handler: the stream was gone before "wait 3" was answered
+        assert mine == [(3, "message", "wait 3"), (3, "waited", "wait 3"), (3, "end", None)]
+        assert server.calls == 0 and events.count((1, "end", None)) == 1
+        writer.close()
+        await server.stop()
+
+    asyncio.run(run())
+
+
+def test_header_blocks_are_kept_decoded_only_while_the_dynamic_table_holds():
+    """A block decoded once is reused by its bytes (Envoy opens every ext_proc stream with
+    the same block), but only while the HPACK dynamic table is as it was: after a block
+    that adds an entry, the same indexed bytes mean other fields, and are decoded again."""
+
+    async def run() -> None:
+        server = GrpcServer({ECHO: Method(health_pb2.HealthCheckRequest, _chat)})
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        encoder, reference = hpack.Encoder(), hpack.Decoder()
+        fields = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/x.Y/Z"),
+            (":authority", "epp"),
+            ("te", "trailers"),
+        ]
+        blocks = [encoder.encode(fields), encoder.encode(fields)]  # the second: indexed only
+        assert blocks[1] != blocks[0]
+        # a block that adds one entry: the second block's indices now point one further
+        blocks.append(encoder.encode([("x-moved", "1"), *fields]))
+        blocks += [blocks[1], blocks[1]]  # the same bytes again, twice
+        paths = []
+        for block in blocks:
+            decoded = dict(reference.decode(block))
+            paths.append(decoded.get(":path", ""))
+        assert paths[:3] == ["/x.Y/Z"] * 3 and paths[3] == paths[4] != "/x.Y/Z"
+        out = _PREFACE + _frame(_SETTINGS, 0, 0)
+        for i, block in enumerate(blocks):
+            out += _frame(_HEADERS, 0x5, 2 * i + 1, block)
+        writer.write(out)
+        messages = {}
+        while len(messages) < len(blocks):
+            kind, flags, sid, payload = await _read_frame(reader)
+            if kind == _HEADERS:
+                answer = dict(hpack.Decoder().decode(payload))
+                messages[sid] = answer["grpc-message"]
+        for i, path in enumerate(paths):
+            assert messages[2 * i + 1] == f"unknown method {path}"
+        writer.close()
+        await server.stop()
+
+    asyncio.run(run())

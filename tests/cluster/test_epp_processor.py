@@ -65,6 +65,15 @@ def _headers(
     return msg
 
 
+async def _handle(s: ExtProcStream, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    """The stream's answers to ``msg`` as messages (it answers now or later; the answers that
+    recur come serialized)."""
+    out = s.handle(msg)
+    if not isinstance(out, list):
+        out = await out
+    return [pb.ProcessingResponse.FromString(a) if isinstance(a, bytes) else a for a in out]
+
+
 def _body(data: bytes, eos: bool) -> pb.ProcessingRequest:
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
 
@@ -107,9 +116,9 @@ def test_full_duplex_pick_echo_and_served_elsewhere_moves_the_count():
         epp = _picker()
         eps = {e.name: e for e in epp.core.pool.endpoints.values()}
         s = ExtProcStream(epp)
-        assert await s.handle(_headers()) == []  # full duplex: wait for the body
-        assert await s.handle(_body(BODY[:10], False)) == []
-        out = await s.handle(_body(BODY[10:], True))
+        assert await _handle(s, _headers()) == []  # full duplex: wait for the body
+        assert await _handle(s, _body(BODY[:10], False)) == []
+        out = await _handle(s, _body(BODY[10:], True))
         first, second = _destination(out).split(",")
         assert {first, second} == {A, B}
         echoed = b"".join(
@@ -121,12 +130,12 @@ def test_full_duplex_pick_echo_and_served_elsewhere_moves_the_count():
         other = epp.endpoint_at(second)
         assert (picked.in_flight, other.in_flight) == (1, 0)
         # The gateway fell back to the second address: the count follows it.
-        (resp,) = await s.handle(_served(second))
+        (resp,) = await _handle(s, _served(second))
         (h,) = resp.response_headers.response.header_mutation.set_headers
         assert h.header.raw_value.decode() == other.name
         assert (picked.in_flight, other.in_flight) == (0, 1)
-        await s.handle(
-            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))
+        await _handle(
+            s, pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))
         )
         assert all(e.in_flight == 0 for e in eps.values())
         s.release()  # the stream's end after the response's: nothing more to give back
@@ -139,9 +148,9 @@ def test_buffered_answers_headers_then_picks_on_the_body():
     async def run() -> None:
         epp = _picker()
         s = ExtProcStream(epp)
-        (h,) = await s.handle(_headers(mode=BUFFERED))
+        (h,) = await _handle(s, _headers(mode=BUFFERED))
         assert not h.request_headers.response.HasField("header_mutation")  # held, continued
-        out = await s.handle(_body(BODY, True))
+        out = await _handle(s, _body(BODY, True))
         assert len(out) == 1 and len(_destination(out).split(",")) == 2
         s.release()  # the stream broke before any response: the count comes back
         assert all(e.in_flight == 0 for e in epp.core.pool.endpoints.values())
@@ -154,18 +163,18 @@ def test_subset_hint_as_a_list_and_a_body_over_the_limit():
         epp = _picker(max_body_bytes=64)
         s = ExtProcStream(epp)
         hint = {SUBSET_KEY: [B]}
-        assert await s.handle(_headers(md={SUBSET_NAMESPACE: hint})) == []
+        assert await _handle(s, _headers(md={SUBSET_NAMESPACE: hint})) == []
         # over the limit of 64 bytes: 413 before any pick
-        (r,) = await s.handle(_body(BODY, False))
+        (r,) = await _handle(s, _body(BODY, False))
         assert r.immediate_response.status.code == 413
         assert b"limit" in r.immediate_response.body
         s = ExtProcStream(_picker())
-        await s.handle(_headers(md={SUBSET_NAMESPACE: hint}))
-        out = await s.handle(_body(BODY, True))
+        await _handle(s, _headers(md={SUBSET_NAMESPACE: hint}))
+        out = await _handle(s, _body(BODY, True))
         assert _destination(out) == B  # only the hinted endpoint
         s = ExtProcStream(_picker())
-        await s.handle(_headers(md={SUBSET_NAMESPACE: {SUBSET_KEY: []}}))
-        (r,) = await s.handle(_body(BODY, True))
+        await _handle(s, _headers(md={SUBSET_NAMESPACE: {SUBSET_KEY: []}}))
+        (r,) = await _handle(s, _body(BODY, True))
         assert r.immediate_response.status.code == 503
 
     asyncio.run(run())
@@ -175,9 +184,9 @@ def test_a_request_without_body_is_picked_on_its_headers():
     async def run() -> None:
         epp = _picker()
         s = ExtProcStream(epp)
-        out = await s.handle(_headers(path="/v1/models", eos=True))
+        out = await _handle(s, _headers(path="/v1/models", eos=True))
         assert len(_destination(out).split(",")) == 2
-        (resp,) = await s.handle(_served(_destination(out).split(",")[0], end=True))
+        (resp,) = await _handle(s, _served(_destination(out).split(",")[0], end=True))
         assert resp.HasField("response_headers")
         assert all(e.in_flight == 0 for e in epp.core.pool.endpoints.values())
 
@@ -188,10 +197,10 @@ def test_an_answer_with_a_length_is_released_at_its_headers_and_its_body_skipped
     async def run() -> None:
         epp = _picker()
         s = ExtProcStream(epp)
-        await s.handle(_headers())
-        first = _destination(await s.handle(_body(BODY, True))).split(",")[0]
+        await _handle(s, _headers())
+        first = _destination(await _handle(s, _body(BODY, True))).split(",")[0]
         assert epp.endpoint_at(first).in_flight == 1
-        (resp,) = await s.handle(_served(first, length=True))
+        (resp,) = await _handle(s, _served(first, length=True))
         assert resp.HasField("mode_override")  # response body NONE: it skips the EPP
         assert resp.mode_override.response_body_mode == 0
         assert epp.endpoint_at(first).in_flight == 0  # the engine has finished it
@@ -199,24 +208,26 @@ def test_an_answer_with_a_length_is_released_at_its_headers_and_its_body_skipped
     asyncio.run(run())
 
 
-def test_the_answer_of_a_fallback_list_is_built_once_and_never_changed():
-    """The pick's messages (header mutation, ``envoy.lb`` metadata) are cached per fallback
-    list: no protobuf building per request, and a later answer (a response header, a mode
-    override) does not leak into the cached one."""
-
-    async def run() -> None:
-        epp = _picker()
-        answers = []
-        for _ in range(2):
-            s = ExtProcStream(epp)
-            await s.handle(_headers())
-            out = await s.handle(_body(BODY, True))
-            first = _destination(out).split(",")[0]
-            (resp,) = await s.handle(_served(first, length=True))
-            assert resp.response_headers.response.header_mutation.set_headers
-            answers.append(out[0])
-        assert answers[0] is answers[1]  # the same prebuilt headers response
-        assert not answers[0].HasField("mode_override")
-        assert _destination(answers[:1]).count(",") == 1  # both endpoints, in order
-
-    asyncio.run(run())
+def test_the_answers_are_built_once_and_never_changed():
+    """The pick's answer (header mutation, ``envoy.lb`` metadata) is serialized once per
+    fallback list, and the response-headers answer once per served endpoint: no protobuf
+    building per request, and a later answer (a response header, a mode override) does not
+    leak into a cached one. A short prompt is answered synchronously (no task, no await)."""
+    epp = _picker()
+    picks, served = [], []
+    for _ in range(2):
+        s = ExtProcStream(epp)
+        s.handle(_headers(mode=BUFFERED))
+        (pick,) = s.handle(_body(BODY, True))  # a list now: answered in the caller's turn
+        first = _destination([pb.ProcessingResponse.FromString(pick)]).split(",")[0]
+        (answer,) = s.handle(_served(first, length=True))
+        picks.append(pick)
+        served.append(answer)
+    assert picks[0] is picks[1] and served[0] is served[1]  # the same prebuilt bytes
+    pick = pb.ProcessingResponse.FromString(picks[0])
+    assert pick.HasField("request_body") and not pick.HasField("mode_override")
+    assert _destination([pick]).count(",") == 1  # both endpoints, in order
+    answer = pb.ProcessingResponse.FromString(served[0])
+    assert answer.response_headers.response.header_mutation.set_headers
+    assert answer.HasField("mode_override")
+    assert all(e.in_flight == 0 for e in epp.core.pool.endpoints.values())

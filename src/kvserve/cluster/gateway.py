@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import hmac
@@ -434,31 +435,42 @@ class Router:
         ]
         return max(lens) if lens else DEFAULT_MAX_TOKENS
 
+    def _long(self, body: dict[str, Any], chat: bool) -> bool:
+        """Whether the prompt is tokenized and hashed off the event loop."""
+        prompt = body.get("prompt")
+        long_ids = isinstance(prompt, list) and len(prompt) > _INLINE_TOKENS
+        return long_ids or prompt_chars(body, chat) > self.config.inline_tokenize_chars
+
+    def _build_request(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        session_id: str | None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        tokenize: bool = True,
+    ) -> RoutingRequest:
+        req = routing_request(
+            body,
+            chat,
+            self.tokenizers if tokenize else None,
+            session_id=session_id,
+            seed=self.config.prefix_hash_seed,
+            max_tokens=max_tokens,
+        )
+        if req.token_ids is not None and len(req.token_ids) > _INLINE_TOKENS:
+            for bs in {self.index.endpoint_block_size(n) for n in self.pool.endpoints}:
+                if bs:
+                    req.block_keys(bs)  # hash here, off the event loop
+        return req
+
     async def _routing_request(
         self, body: dict[str, Any], chat: bool, session_id: str | None
     ) -> RoutingRequest:
-        prompt = body.get("prompt")
-        long_ids = isinstance(prompt, list) and len(prompt) > _INLINE_TOKENS
-        long = long_ids or prompt_chars(body, chat) > self.config.inline_tokenize_chars
-        max_tokens = self._max_tokens(body.get("model")) if long else DEFAULT_MAX_TOKENS
-
-        def build(tokenize: bool = True) -> RoutingRequest:
-            req = routing_request(
-                body,
-                chat,
-                self.tokenizers if tokenize else None,
-                session_id=session_id,
-                seed=self.config.prefix_hash_seed,
-                max_tokens=max_tokens,
-            )
-            if req.token_ids is not None and len(req.token_ids) > _INLINE_TOKENS:
-                for bs in {self.index.endpoint_block_size(n) for n in self.pool.endpoints}:
-                    if bs:
-                        req.block_keys(bs)  # hash here, off the event loop
-            return req
-
-        if not long:
-            return build()
+        if not self._long(body, chat):
+            return self._build_request(body, chat, session_id)
+        build = functools.partial(
+            self._build_request, body, chat, session_id, self._max_tokens(body.get("model"))
+        )
         fut = self.tokenize_workers.submit(build)
         if fut is None:  # the tokenizer threads are swamped: route on the raw text
             return build(tokenize=False)
@@ -478,11 +490,37 @@ class Router:
         decided (a front end that cannot run a prefill leg passes False). Raises
         :class:`BadRequestError` or :class:`NoEndpointError`."""
         req = await self._routing_request(body, chat, session_id)
+        return req, self._schedule(req, body, endpoints, split)
+
+    def decide_now(
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        session_id: str | None,
+        endpoints: list[Endpoint] | None = None,
+        *,
+        split: bool = True,
+    ) -> tuple[RoutingRequest, Decision] | None:
+        """:meth:`decide` without leaving the event loop (a front end answering in its
+        protocol's callback), or None when the prompt is long enough to be tokenized off
+        the loop: then await :meth:`decide`."""
+        if self._long(body, chat):
+            return None
+        req = self._build_request(body, chat, session_id)
+        return req, self._schedule(req, body, endpoints, split)
+
+    def _schedule(
+        self,
+        req: RoutingRequest,
+        body: dict[str, Any],
+        endpoints: list[Endpoint] | None,
+        split: bool,
+    ) -> Decision:
         if self.scheduler.disaggregator is not None:
             req.pd_skip = _pd_skip(body) if split else "front_end"
         if endpoints is None:
             endpoints = list(self.pool.endpoints.values())
-        return req, self.scheduler.schedule(req, endpoints)
+        return self.scheduler.schedule(req, endpoints)
 
     async def _proxy(self, request: HttpRequest, resp: HttpResponse, chat: bool) -> None:
         t0 = time.perf_counter()

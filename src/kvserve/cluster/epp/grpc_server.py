@@ -2,11 +2,23 @@
 
 Owns the HTTP/2 connections (cleartext, prior knowledge, as Envoy's gRPC clusters and gRPC
 clients connect): their frames, stream lifetimes and flow control both ways, and gRPC's framing
-on them: one task per call, reading and writing protobuf messages in the loop that runs the
-scheduling core. Header blocks are HPACK-decoded and -encoded by PyPI's ``hpack``. No second
-thread, no completion queue: a message costs a frame parse and a protobuf parse, and its answer
-one socket write (grpcio's server spent ~0.7 ms of CPU per ext_proc request on its own
-machinery, ``h2``'s state machines ~0.35 ms more than this: ``benchmarks/results/epp*.md``).
+on them, in the loop that runs the scheduling core. Header blocks are HPACK-decoded and
+-encoded by PyPI's ``hpack``. No second thread, no completion queue: a message costs a frame
+parse and a protobuf parse, and its answer one socket write (grpcio's server spent ~0.7 ms of
+CPU per ext_proc request on its own machinery, ``h2``'s state machines ~0.35 ms more than
+this: ``benchmarks/results/epp*.md``).
+
+A method is served one of two ways: a ``handler`` coroutine per call (a task that reads and
+writes the call: unary, server streaming, bidirectional), or a ``stream`` handler whose
+``on_message`` is called with each message in the connection's own callback (no task and no
+loop turn per message; the answers written then leave in the same socket write at the end of
+that callback). An ``on_message`` that must wait returns an awaitable: the call's later
+messages are held until it is done. The ext_proc stream is served this way: three messages
+each way per request, each answered in the loop turn it arrived in.
+
+A peer's header blocks decoded once are kept, by their bytes, while the HPACK dynamic table
+stays as it was (Envoy opens every ext_proc stream with the same block of indexed fields and
+one literal that is never indexed): a stream's headers cost a dict lookup, not a decode.
 
 Our header blocks never touch the peer's HPACK dynamic table: the fixed ones are encoded once,
 each field a static-table index or a never-indexed literal, and so are error trailers (one
@@ -25,7 +37,7 @@ import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from hpack import Decoder, Encoder, HPACKError, NeverIndexedHeaderTuple
@@ -58,6 +70,7 @@ _MAX_HEADER_BLOCK = 1 << 20  # a header block spread over CONTINUATION frames, a
 _MAX_HEADER_LIST = 1 << 16  # decoded request headers, at most (RFC 9113's count: +32 a field)
 _MAX_STREAMS = 1 << 20  # (Envoy keeps one stream per HTTP request in flight: no real limit)
 _ENCODER = Encoder()  # only ever given never-indexed fields: its dynamic table stays empty
+_DECODED_BLOCKS = 64  # header blocks kept decoded per connection (cleared when the table moves)
 
 
 def encode_headers(fields: list[tuple[bytes, bytes]]) -> bytes:
@@ -79,13 +92,29 @@ class GrpcError(Exception):
         self.message = message
 
 
+class StreamHandler(Protocol):
+    """A call's messages, handed over as they arrive (``Method.stream``)."""
+
+    def on_message(self, message: Any) -> Awaitable[None] | None:
+        """Answer ``message`` (``call.write``); an awaitable when the answer must wait: the
+        call's later messages are held until it is done. Raising :class:`GrpcError` (or
+        anything else: INTERNAL) ends the call with that status."""
+
+    def on_end(self) -> None:
+        """The call is over (the client ended it, reset it, or the connection went): called
+        once, after the last ``on_message`` has returned (or its awaitable is done)."""
+
+
 @dataclass(frozen=True)
 class Method:
-    """A method: its request message type (``FromString``) and handler (it reads and
-    writes the call itself: unary, server streaming or bidirectional alike)."""
+    """A method: its request message type (``FromString``) and either ``handler``, a
+    coroutine run as one task per call that reads and writes the call itself (unary, server
+    streaming or bidirectional alike), or ``stream``, which makes the call's
+    :class:`StreamHandler` (its messages handled in the connection's callback, no task)."""
 
     request_type: Any
-    handler: Callable[[Call], Awaitable[None]]
+    handler: Callable[[Call], Awaitable[None]] | None = None
+    stream: Callable[[Call], StreamHandler] | None = None
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -109,7 +138,7 @@ class Call:
     __slots__ = (
         "conn", "stream_id", "method", "metadata", "inbox", "ended", "reset", "finished",
         "_waiter", "_buf", "_recv_unacked", "send_window", "_pending", "_headers_sent",
-        "task",
+        "task", "handler", "_busy", "_over",
     )  # fmt: skip
 
     def __init__(
@@ -130,6 +159,9 @@ class Call:
         self._pending: deque[tuple[bool, bytes]] = deque()  # (is_trailers, payload)
         self._headers_sent = False
         self.task: asyncio.Task | None = None
+        self.handler: StreamHandler | None = None  # Method.stream's, when the method has one
+        self._busy = False  # the handler's awaitable runs: messages wait in the inbox
+        self._over = False  # the handler's on_end was called
 
     async def read(self) -> Any | None:
         while not self.inbox:
@@ -152,10 +184,11 @@ class Call:
                 self._waiter = None
 
     def write(self, message: Any) -> None:
-        """Send one message (queued while the peer's flow-control window is closed)."""
+        """Send one message (queued while the peer's flow-control window is closed);
+        ``bytes`` are a message already serialized."""
         if self.reset or self.finished:
             return
-        payload = message.SerializeToString()
+        payload = message if type(message) is bytes else message.SerializeToString()
         data = _MESSAGE.pack(0, len(payload)) + payload
         if not self._headers_sent:
             self._headers_sent = True
@@ -230,10 +263,71 @@ class Call:
             except Exception:  # noqa: BLE001 - protobuf's DecodeError, whatever its module
                 self._abort(INTERNAL, "request message does not parse")
                 return
-            self.inbox.append(message)
+            if self.handler is None or self._busy:
+                self.inbox.append(message)
+            else:
+                self._dispatch(message)
+                if self.reset:
+                    return
         if end_stream:
             self.ended = True
+            if self.handler is not None and not self._busy:
+                self._end(OK, "")
         self._wake()
+
+    # ------------------------------------------------------------------ stream handlers
+
+    def _dispatch(self, message: Any) -> None:
+        """One message to the stream handler, in the connection's callback."""
+        try:
+            pending = self.handler.on_message(message)  # type: ignore[union-attr]
+        except Exception as e:  # noqa: BLE001 - GrpcError, or a handler's bug: ends the call
+            self._failed(e)
+            return
+        if pending is not None:  # the answer waits: hold later messages until it is done
+            self._busy = True
+            self.task = self.conn.loop.create_task(self._drain(pending))
+
+    async def _drain(self, pending: Awaitable[None]) -> None:
+        """Await the handler, then hand it the messages that arrived meanwhile."""
+        try:
+            await pending
+            while self.inbox and not self.reset:
+                pending = self.handler.on_message(self.inbox.popleft())  # type: ignore[union-attr]
+                if pending is not None:
+                    await pending
+        except asyncio.CancelledError:
+            self._busy = False
+            self._end(CANCELLED, "server stopping")
+            return
+        except Exception as e:  # noqa: BLE001
+            self._busy = False
+            self._failed(e)
+            return
+        self._busy = False
+        self.task = None
+        if self.ended:
+            self._end(OK, "")
+
+    def _failed(self, e: Exception) -> None:
+        if isinstance(e, GrpcError):
+            status, message = e.status, e.message
+        else:
+            logger.error("gRPC stream handler failed", exc_info=e)
+            status, message = INTERNAL, f"{type(e).__name__}: {e}"
+        self._end(status, message)
+        self._gone(send_reset=True)  # (the client may still be sending)
+
+    def _end(self, status: int, message: str) -> None:
+        """The handler's call is over: ``on_end`` once, then our status."""
+        if not self._over:
+            self._over = True
+            self.conn.server.calls -= 1
+            try:
+                self.handler.on_end()  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001
+                logger.exception("gRPC stream handler's on_end failed")
+        self.finish(status, message)
 
     def _abort(self, status: int, message: str) -> None:
         """End the call now (the client is still sending): trailers, then RST_STREAM."""
@@ -248,6 +342,8 @@ class Call:
         self._pending.clear()
         self.conn.blocked.pop(self.stream_id, None)
         self.conn.streams.pop(self.stream_id, None)
+        if self.handler is not None and not self._busy:
+            self._end(CANCELLED, "")  # (nothing is sent: the call is gone)
         self._wake()
 
     def _wake(self) -> None:
@@ -276,6 +372,8 @@ class Http2Connection(asyncio.Protocol):
         self._continuation: tuple[int, int, bytearray] | None = None  # stream, flags, block
         self.going_away = False
         self._out: list[bytes] = []  # frames to send at the end of this turn of the loop
+        self._receiving = False  # in data_received: what is written leaves at its end
+        self._decoded: dict[bytes, dict[bytes, bytes]] = {}  # header block -> its fields
 
     # ------------------------------------------------------------------ asyncio.Protocol
 
@@ -303,6 +401,15 @@ class Http2Connection(asyncio.Protocol):
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
+        self._receiving = True
+        try:
+            self._data_received(data)
+        finally:
+            self._receiving = False
+            if self._out:
+                self._flush()
+
+    def _data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
         if not self.preface:
@@ -393,12 +500,31 @@ class Http2Connection(asyncio.Protocol):
         if call is not None:
             call._received(payload, bool(flags & END_STREAM))
 
-    def _headers(self, sid: int, flags: int, block: bytes) -> None:
+    def _decode(self, block: bytes) -> dict[bytes, bytes]:
+        """The fields of a header block (always decoded, even for a stream we ignore: the
+        dynamic table must follow the peer's). A block whose decoding left the table as it
+        was is kept: the same bytes decode to the same fields until the table moves."""
+        fields = self._decoded.get(block)
+        if fields is not None:
+            return fields
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        before = (table.maxsize, len(entries), entries[0] if entries else None)
         try:
-            # always, even for a stream we ignore: the dynamic table must follow the peer's
-            fields = self.decoder.decode(block, raw=True)
+            decoded = dict(self.decoder.decode(block, raw=True))
         except HPACKError as e:
             raise _ConnectionError(COMPRESSION_ERROR, str(e)) from None
+        entries = table.dynamic_entries
+        if before == (table.maxsize, len(entries), entries[0] if entries else None):
+            if len(self._decoded) >= _DECODED_BLOCKS:
+                self._decoded.clear()
+            self._decoded[block] = decoded
+        else:  # the table moved: indexed fields of the blocks kept may mean others now
+            self._decoded.clear()
+        return decoded
+
+    def _headers(self, sid: int, flags: int, block: bytes) -> None:
+        metadata = self._decode(block)
         end_stream = bool(flags & END_STREAM)
         call = self.streams.get(sid)
         if call is not None:  # trailers of a request
@@ -413,7 +539,6 @@ class Http2Connection(asyncio.Protocol):
         if self.going_away or self.server.stopping:
             self.write(_frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
-        metadata = dict(fields)
         method = self.server.methods.get(metadata.get(b":path", b""))
         call = Call(self, sid, method, metadata)
         self.streams[sid] = call
@@ -422,7 +547,13 @@ class Http2Connection(asyncio.Protocol):
             path = metadata.get(b":path", b"").decode("latin-1")
             call.finish(UNIMPLEMENTED, f"unknown method {path}")
             return
-        call.task = self.loop.create_task(self.server.run(call))
+        if method.stream is None:
+            call.task = self.loop.create_task(self.server.run(call))
+            return
+        self.server.calls += 1
+        call.handler = method.stream(call)
+        if end_stream:  # no messages at all
+            call._end(OK, "")
 
     def _settings(self, payload: bytes) -> None:
         if len(payload) % 6:
@@ -469,10 +600,11 @@ class Http2Connection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         """Queue ``data``; what is queued in one turn of the loop goes out in one write (a
-        loopback send costs ~0.1 ms of CPU here: answers of one message share it)."""
+        loopback send costs ~0.1 ms of CPU here: answers of one message share it), at the
+        end of ``data_received`` for what its messages' handlers write."""
         if self.transport is None:
             return
-        if not self._out:
+        if not self._out and not self._receiving:
             self.loop.call_soon(self._flush)
         self._out.append(data)
 
@@ -559,6 +691,8 @@ class GrpcServer:
         tasks = [c.task for conn in self.connections for c in conn.streams.values() if c.task]
         for conn in list(self.connections):
             conn._close()
+            for call in list(conn.streams.values()):  # (their handlers' on_end: now)
+                call._gone()
         for t in tasks:
             t.cancel()
         if tasks:

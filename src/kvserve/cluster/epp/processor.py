@@ -29,14 +29,20 @@ the ``upstream.address`` attribute. The picked endpoint's in-flight count moves 
 released at the end of the response (an event stream's last chunk; for an answer with a
 length, its headers: the engine has finished, and Envoy is asked to skip its body) or when
 the stream ends or breaks, whichever is first.
+
+Cost per request (the transport hands each message over in the loop turn it arrives in):
+:meth:`ExtProcStream.handle` answers synchronously unless the pick must wait (a long prompt
+tokenized off the loop), and the answers that recur are serialized once (``bytes``): the
+continue messages, each fallback list's pick (header mutation and ``envoy.lb`` metadata,
+as a headers or a body response) and each served endpoint's response-headers answer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from envoy.config.core.v3 import base_pb2
@@ -51,7 +57,9 @@ from kvserve.cluster.tokenization import BadRequestError
 
 if TYPE_CHECKING:
     from kvserve.cluster.endpoints import Endpoint
+    from kvserve.cluster.epp.grpc_server import Call
     from kvserve.cluster.epp.server import EndpointPicker
+    from kvserve.cluster.scheduler import Decision
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +84,26 @@ _SKIP_RESPONSE_BODY = _Mode(response_body_mode=NONE, response_trailer_mode=_Mode
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 _COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
-# Constant answers, built once (grpcio serializes what it is given; nothing mutates these).
+# Constant answers, serialized once (``bytes``: an answer already on the wire's form).
+Answer = pb.ProcessingResponse | bytes
 _REQUEST_HEADERS_CONTINUE = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(response=_CONTINUE)
-)
-_REQUEST_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse(response=_CONTINUE))
-_RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse(response=_CONTINUE))
-_REQUEST_TRAILERS_CONTINUE = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-_RESPONSE_TRAILERS_CONTINUE = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+).SerializeToString()
+_REQUEST_BODY_CONTINUE = pb.ProcessingResponse(
+    request_body=pb.BodyResponse(response=_CONTINUE)
+).SerializeToString()
+_RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(
+    response_body=pb.BodyResponse(response=_CONTINUE)
+).SerializeToString()
+_REQUEST_TRAILERS_CONTINUE = pb.ProcessingResponse(
+    request_trailers=pb.TrailersResponse()
+).SerializeToString()
+_RESPONSE_TRAILERS_CONTINUE = pb.ProcessingResponse(
+    response_trailers=pb.TrailersResponse()
+).SerializeToString()
 _PICK_CACHE_SIZE = 4096  # distinct fallback lists kept built (few: orders of a few endpoints)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def _header_value(key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -120,10 +139,10 @@ def immediate(
 
 class Pick:
     """The answer: the ordered fallback list as a header mutation and ``envoy.lb`` metadata,
-    and the headers response that carries both (built once per distinct list: see
-    :meth:`of`)."""
+    and the headers and body responses that carry both, serialized (built once per distinct
+    list: see :meth:`of`)."""
 
-    __slots__ = ("value", "mutation", "metadata", "headers_response")
+    __slots__ = ("value", "mutation", "metadata", "headers_response", "body_response")
 
     def __init__(self, addresses: list[str], auth: tuple[bytes, bytes] | None = None) -> None:
         self.value = ",".join(addresses)
@@ -134,12 +153,14 @@ class Pick:
         self.metadata = struct_pb2.Struct()
         lb = self.metadata.fields[LB_NAMESPACE].struct_value
         lb.fields[DESTINATION_HEADER].string_value = self.value
+        common = pb.CommonResponse(header_mutation=self.mutation)
         self.headers_response = pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=self.mutation)
-            ),
-            dynamic_metadata=self.metadata,
-        )
+            request_headers=pb.HeadersResponse(response=common), dynamic_metadata=self.metadata
+        ).SerializeToString()
+        # BUFFERED: the headers are held until the body's answer, which mutates them
+        self.body_response = pb.ProcessingResponse(
+            request_body=pb.BodyResponse(response=common), dynamic_metadata=self.metadata
+        ).SerializeToString()
 
     @classmethod
     def of(cls, addresses: list[str], auth: tuple[bytes, bytes] | None = None) -> Pick:
@@ -155,30 +176,56 @@ class Pick:
 
 
 _PICKS: dict[tuple, Pick] = {}
-_SERVED_MUTATIONS: dict[str, pb.HeaderMutation] = {}
+_SERVED_ANSWERS: dict[tuple[str | None, bool], bytes] = {}
 
 
-def _served_mutation(name: str) -> pb.HeaderMutation:
-    """The response header naming the endpoint that served (built once per endpoint)."""
-    mutation = _SERVED_MUTATIONS.get(name)
-    if mutation is None:
-        if len(_SERVED_MUTATIONS) >= _PICK_CACHE_SIZE:
-            _SERVED_MUTATIONS.clear()
-        mutation = _SERVED_MUTATIONS[name] = pb.HeaderMutation(
-            set_headers=[_header_value(ENDPOINT_RESPONSE_HEADER, name)]
+def _served_answer(name: str | None, skip_body: bool) -> bytes:
+    """The response-headers answer: the header naming the endpoint that served (``None``:
+    unknown, nothing set), and the mode override that skips the response body (built once
+    per endpoint and override)."""
+    key = (name, skip_body)
+    answer = _SERVED_ANSWERS.get(key)
+    if answer is None:
+        if len(_SERVED_ANSWERS) >= _PICK_CACHE_SIZE:
+            _SERVED_ANSWERS.clear()
+        mutation = None
+        if name is not None:
+            header = _header_value(ENDPOINT_RESPONSE_HEADER, name)
+            mutation = pb.HeaderMutation(set_headers=[header])
+        out = pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation)
+            )
         )
-    return mutation
+        if skip_body:
+            out.mode_override.CopyFrom(_SKIP_RESPONSE_BODY)
+        answer = _SERVED_ANSWERS[key] = out.SerializeToString()
+    return answer
+
+
+def _then(pending: Awaitable[T], fn: Callable[[T], R]) -> Awaitable[R]:
+    async def run() -> R:
+        return fn(await pending)
+
+    return run()
+
+
+def _is_pending(x: Any) -> bool:
+    """An answer still to come (an awaitable), not an answer."""
+    return hasattr(x, "__await__")
 
 
 class ExtProcStream:
-    """The state of one ``Process`` stream (one HTTP request through Envoy)."""
+    """The state of one ``Process`` stream (one HTTP request through Envoy); on the in-loop
+    transport, the call's :class:`~kvserve.cluster.epp.grpc_server.StreamHandler`."""
 
-    def __init__(self, epp: EndpointPicker) -> None:
+    def __init__(self, epp: EndpointPicker, call: Call | None = None) -> None:
         self.epp = epp
+        self.call = call
         self.request_mode = BUFFERED  # assumed when Envoy sends no protocol_config
         self.response_mode = NONE
         self.body_early = False  # send_body_without_waiting_for_header_response
-        self.headers: dict[str, str] = {}
+        self.headers: dict[str, str] = {}  # the request headers the EPP reads
         self.body: list[bytes] = []
         self.body_len = 0
         self.chunks = 0  # STREAMED chunks received and not answered
@@ -190,10 +237,31 @@ class ExtProcStream:
         self.partial = False  # the body the pick sees is cut short (BUFFERED_PARTIAL)
         self.subset: set[str] | None = None  # the gateway's subset hint, when it gave one
 
+    # ------------------------------------------------------------------ the transport's
+
+    def on_message(self, msg: pb.ProcessingRequest) -> Awaitable[None] | None:
+        """Answer ``msg`` on the call now, or return what the answer waits for."""
+        out = self.handle(msg)
+        if type(out) is list:
+            write = self.call.write  # type: ignore[union-attr]
+            for answer in out:
+                write(answer)
+            return None
+        return self._write_later(out)  # type: ignore[arg-type]
+
+    async def _write_later(self, pending: Awaitable[list[Answer]]) -> None:
+        for answer in await pending:
+            self.call.write(answer)  # type: ignore[union-attr]
+
+    def on_end(self) -> None:
+        self.release()
+        self.epp.streams -= 1
+
     # ------------------------------------------------------------------ request path
 
-    async def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        """The responses to one message from Envoy, in order."""
+    def handle(self, msg: pb.ProcessingRequest) -> list[Answer] | Awaitable[list[Answer]]:
+        """The answers to one message from Envoy, in order: now, or an awaitable of them
+        when the pick must wait (a long prompt is tokenized off the loop)."""
         if msg.HasField("protocol_config"):
             cfg = msg.protocol_config
             self.request_mode = cfg.request_body_mode
@@ -205,14 +273,16 @@ class ExtProcStream:
                 self.subset = hint
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            return await self._request_headers(msg)
+            return self._request_headers(msg)
         if kind == "request_body":
-            return await self._request_body(msg)
+            return self._request_body(msg)
         if kind == "request_trailers":
-            out = []
-            if not self.picked:
-                out = await self._finish_request(end_of_stream=False)
-            return [*out, _REQUEST_TRAILERS_CONTINUE]
+            if self.picked:
+                return [_REQUEST_TRAILERS_CONTINUE]
+            out = self._finish_request(end_of_stream=False)
+            if _is_pending(out):
+                return _then(out, lambda answers: [*answers, _REQUEST_TRAILERS_CONTINUE])
+            return [*out, _REQUEST_TRAILERS_CONTINUE]  # type: ignore[misc]
         if kind == "response_headers":
             return self._response_headers(msg)
         if kind == "response_body":
@@ -222,9 +292,13 @@ class ExtProcStream:
             return [_RESPONSE_TRAILERS_CONTINUE]
         return []
 
-    async def _request_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _request_headers(self, msg: pb.ProcessingRequest) -> list[Answer] | Awaitable[list[Answer]]:
+        headers, wanted = self.headers, self.epp.request_headers
         for h in msg.request_headers.headers.headers:
-            self.headers[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+            key = h.key.lower()
+            if key in wanted:
+                raw = h.raw_value
+                headers[key] = raw.decode("latin-1") if raw else h.value
         core = self.epp.core
         path = self.headers.get(":path", "/").partition("?")[0]
         if core.needs_key(path) and not core.authorized(self.headers.get("authorization")):
@@ -241,17 +315,22 @@ class ExtProcStream:
         deferred = mode == FULL_DUPLEX or (mode == STREAMED and self.body_early)
         if msg.request_headers.end_of_stream or (mode in (NONE, STREAMED) and not deferred):
             # No body, or none the EPP will see before the headers must go: pick on headers.
-            result = await self._pick(b"")
-            if isinstance(result, pb.ProcessingResponse):
-                return [result]
-            self.headers_answered = True
-            return [result.headers_response]
+            result = self._pick(b"")
+            if _is_pending(result):
+                return _then(result, self._answer_on_headers)
+            return self._answer_on_headers(result)  # type: ignore[arg-type]
         if deferred:
             return []
         self.headers_answered = True  # BUFFERED: held by Envoy until the body's answer
         return [_REQUEST_HEADERS_CONTINUE]
 
-    async def _request_body(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _answer_on_headers(self, result: Pick | pb.ProcessingResponse) -> list[Answer]:
+        if type(result) is not Pick:
+            return [result]
+        self.headers_answered = True
+        return [result.headers_response]
+
+    def _request_body(self, msg: pb.ProcessingRequest) -> list[Answer] | Awaitable[list[Answer]]:
         b = msg.request_body
         if self.picked:  # STREAMED after a pick on headers: pass the chunk on
             return [_REQUEST_BODY_CONTINUE]
@@ -269,23 +348,24 @@ class ExtProcStream:
         self.chunks += 1
         if b.end_of_stream or self.request_mode in (BUFFERED, BUFFERED_PARTIAL):
             self.partial = not b.end_of_stream  # BUFFERED_PARTIAL: over Envoy's buffer
-            return await self._finish_request(end_of_stream=True)
+            return self._finish_request(end_of_stream=True)
         return []
 
-    async def _finish_request(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    def _finish_request(self, end_of_stream: bool) -> list[Answer] | Awaitable[list[Answer]]:
         """The whole body is here: pick, then answer what Envoy waits for."""
-        data = b"".join(self.body)
-        result = await self._pick(data)
-        if isinstance(result, pb.ProcessingResponse):
+        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        result = self._pick(data)
+        if _is_pending(result):
+            return _then(result, lambda r: self._answer_pick(r, data, end_of_stream))
+        return self._answer_pick(result, data, end_of_stream)  # type: ignore[arg-type]
+
+    def _answer_pick(
+        self, result: Pick | pb.ProcessingResponse, data: bytes, end_of_stream: bool
+    ) -> list[Answer]:
+        if type(result) is not Pick:
             return [result]
         if self.headers_answered:  # BUFFERED: the headers are still held; mutate them now
-            common = pb.CommonResponse(header_mutation=result.mutation)
-            return [
-                pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(response=common),
-                    dynamic_metadata=result.metadata,
-                )
-            ]
+            return [result.body_response]
         self.headers_answered = True
         out = [result.headers_response]
         if self.request_mode == FULL_DUPLEX:
@@ -296,8 +376,11 @@ class ExtProcStream:
         self.chunks = 0
         return out
 
-    async def _pick(self, data: bytes) -> Pick | pb.ProcessingResponse:
-        """Ask the scheduling core; a :class:`Pick`, or an immediate error response."""
+    def _pick(
+        self, data: bytes
+    ) -> Pick | pb.ProcessingResponse | Awaitable[Pick | pb.ProcessingResponse]:
+        """Ask the scheduling core; a :class:`Pick`, or an immediate error response (or an
+        awaitable of either, when the prompt is tokenized off the loop)."""
         epp = self.epp
         core = epp.core
         metrics = core.metrics
@@ -329,20 +412,46 @@ class ExtProcStream:
         try:
             if chat is None or body is None:  # not a completion (or no body): pick by load
                 req = RoutingRequest(seed=core.config.prefix_hash_seed)
-                decision = core.scheduler.schedule(req, endpoints)
+                decided = req, core.scheduler.schedule(req, endpoints)
             else:
                 session = self.headers.get(epp.session_header)
-                req, decision = await core.decide(body, chat, session, endpoints, split=False)
-        except BadRequestError as e:
-            metrics.rejected_of(400).inc()
+                decided = core.decide_now(body, chat, session, endpoints, split=False)
+                if decided is None:  # a long prompt: tokenized and hashed off the loop
+                    return self._pick_later(
+                        core.decide(body, chat, session, endpoints, split=False), t0
+                    )
+        except (BadRequestError, NoEndpointError) as e:
+            return self._refused(e)
+        return self._picked(*decided, t0)
+
+    async def _pick_later(
+        self, deciding: Awaitable[tuple[RoutingRequest, Decision]], t0: float
+    ) -> Pick | pb.ProcessingResponse:
+        try:
+            req, decision = await deciding
+        except (BadRequestError, NoEndpointError) as e:
+            return self._refused(e)
+        return self._picked(req, decision, t0)
+
+    def _refused(self, e: BadRequestError | NoEndpointError) -> pb.ProcessingResponse:
+        core = self.epp.core
+        if isinstance(e, BadRequestError):
+            core.metrics.rejected_of(400).inc()
             return immediate(400, str(e), "invalid_request_error")
-        except NoEndpointError as e:
-            metrics.rejected_of(e.status).inc()
-            if e.status == 404:
-                return immediate(404, e.message, "invalid_request_error", "model_not_found")
-            return immediate(
-                e.status, e.message, "service_unavailable", retry_after=core.config.retry_after_s
-            )
+        core.metrics.rejected_of(e.status).inc()
+        if e.status == 404:
+            return immediate(404, e.message, "invalid_request_error", "model_not_found")
+        return immediate(
+            e.status, e.message, "service_unavailable", retry_after=core.config.retry_after_s
+        )
+
+    def _picked(
+        self, req: RoutingRequest, decision: Decision, t0: float
+    ) -> Pick | pb.ProcessingResponse:
+        """The fallback list of a decision: its first endpoint counts one more in flight."""
+        epp = self.epp
+        core = epp.core
+        metrics = core.metrics
         ranked = [e for e in decision.ranked if e.healthy][: core.config.max_attempts]
         ranked = [e for e in ranked if e.in_flight < epp.max_in_flight]
         if not ranked:
@@ -361,18 +470,20 @@ class ExtProcStream:
         self.t_pick = time.perf_counter()
         metrics.decisions_of(decision.reason).inc()
         metrics.routing_time.observe(self.t_pick - t0)
-        return Pick.of([epp.address_of(e) for e in ranked], first.auth_header)
+        address_of = epp.address_of
+        return Pick.of([address_of(e) for e in ranked], first.auth_header)
 
     # ------------------------------------------------------------------ response path
 
-    def _response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    def _response_headers(self, msg: pb.ProcessingRequest) -> list[Answer]:
         status, length, event_stream = 0, False, False
         for h in msg.response_headers.headers.headers:
-            if h.key == ":status":
+            key = h.key
+            if key == ":status":
                 status = int((h.raw_value or h.value.encode()).decode() or 0)
-            elif h.key == "content-length":
+            elif key == "content-length":
                 length = True
-            elif h.key == "content-type":
+            elif key == "content-type":
                 event_stream = (h.raw_value or h.value.encode()).startswith(b"text/event-stream")
         core = self.epp.core
         served = self._learn_served(msg)
@@ -382,17 +493,13 @@ class ExtProcStream:
                 core.pool.probe_soon(self.counted)
             elif not self._reported(msg):
                 served = self.counted  # the gateway reports nothing: assume the pick served
-        mutation = None
+        name = None
         if served is not None:
+            name = served.name
             served.answered_at = time.monotonic()
-            core.metrics.requests_of(served.name, status).inc()
-            core.metrics.first_byte_of(served.name).observe(time.perf_counter() - self.t_pick)
-            mutation = _served_mutation(served.name)
-        out = pb.ProcessingResponse(
-            response_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=mutation)
-            )
-        )
+            core.metrics.requests_of(name, status).inc()
+            core.metrics.first_byte_of(name).observe(time.perf_counter() - self.t_pick)
+        skip_body = False
         if msg.response_headers.end_of_stream:
             self.release()
         elif length and not event_stream:
@@ -400,10 +507,9 @@ class ExtProcStream:
             # release now, and ask Envoy (``allow_mode_override``) not to send its body
             # through here: one message less each way where Envoy honours it (its counters
             # show the body still comes with a FULL_DUPLEX_STREAMED request: it is continued).
-            if self.response_mode != NONE:
-                out.mode_override.CopyFrom(_SKIP_RESPONSE_BODY)
+            skip_body = self.response_mode != NONE
             self.release()
-        return [out]
+        return [_served_answer(name, skip_body)]
 
     @staticmethod
     def _served_address(msg: pb.ProcessingRequest) -> str:
@@ -440,7 +546,7 @@ class ExtProcStream:
                 self.epp.core.scheduler.observe(self.req, served)
         return served
 
-    def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _response_body(self, b: pb.HttpBody) -> list[Answer]:
         if b.end_of_stream:
             self.release()
         if self.response_mode == FULL_DUPLEX:

@@ -50,17 +50,12 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def process(epp: EndpointPicker, call: Call) -> None:
-    """One ext_proc stream on the in-loop server: Envoy's messages in, answers out."""
-    stream = ExtProcStream(epp)
+def open_stream(epp: EndpointPicker, call: Call) -> ExtProcStream:
+    """One ext_proc stream on the in-loop server: its messages are handed to the returned
+    handler as they arrive; its end (the request's, or Envoy or its connection going away)
+    releases what the stream holds."""
     epp.streams += 1
-    try:
-        while (msg := await call.read()) is not None:
-            for out in await stream.handle(msg):
-                call.write(out)
-    finally:  # the request ended, or Envoy (or its connection) went away
-        stream.release()
-        epp.streams -= 1
+    return ExtProcStream(epp, call)
 
 
 class _Processor(pb_grpc.ExternalProcessorServicer):
@@ -78,7 +73,12 @@ class _Processor(pb_grpc.ExternalProcessorServicer):
         self.epp.streams += 1
         try:
             while (msg := await context.read()) is not grpc.aio.EOF:
-                for out in await stream.handle(msg):
+                answers = stream.handle(msg)
+                if type(answers) is not list:
+                    answers = await answers
+                for out in answers:
+                    if type(out) is bytes:  # (serialized once for the in-loop transport)
+                        out = pb.ProcessingResponse.FromString(out)
                     await context.write(out)
         finally:
             stream.release()
@@ -114,11 +114,14 @@ class EndpointPicker:
         # Shed (429) past the router's own per-endpoint limits: connections + queue.
         self.max_in_flight = cfg.max_connections_per_endpoint + cfg.max_queue_per_endpoint
         self.session_header = cfg.session_header.lower()
+        # The request headers a stream keeps (the rest are not read: not decoded either)
+        self.request_headers = frozenset((":path", "authorization", self.session_header))
         self.streams = 0  # ext_proc streams open
         self.health = HealthService()  # the statuses (served by either transport)
         self._aio_health: health.aio.HealthServicer | None = None
         self._server: GrpcServer | grpc.aio.Server | None = None
         self._addresses: dict[str, Endpoint] = {}
+        self._address_of: dict[int, str] = {}  # id(endpoint) -> its address (while in the pool)
         core.pool.on_added.append(self._added)
         core.pool.on_removed.append(self._removed)
         Gauge(
@@ -128,14 +131,18 @@ class EndpointPicker:
         ).set_function(lambda: self.streams)
 
     def _added(self, ep: Endpoint) -> None:
-        self._addresses[endpoint_address(ep)] = ep
+        address = endpoint_address(ep)
+        self._addresses[address] = ep
+        self._address_of[id(ep)] = address
 
     def _removed(self, ep: Endpoint) -> None:
-        if self._addresses.get(endpoint_address(ep)) is ep:
-            del self._addresses[endpoint_address(ep)]
+        address = self._address_of.pop(id(ep), None) or endpoint_address(ep)
+        if self._addresses.get(address) is ep:
+            del self._addresses[address]
 
     def address_of(self, ep: Endpoint) -> str:
-        return endpoint_address(ep)
+        address = self._address_of.get(id(ep))
+        return address if address is not None else endpoint_address(ep)
 
     def endpoint_at(self, address: str) -> Endpoint | None:
         return self._addresses.get(address)
@@ -154,7 +161,7 @@ class EndpointPicker:
         if self.transport == "loop":
             methods = {
                 f"/{EXT_PROC_SERVICE}/Process": Method(
-                    pb.ProcessingRequest, lambda call: process(self, call)
+                    pb.ProcessingRequest, stream=lambda call: open_stream(self, call)
                 ),
                 **self.health.methods(),
             }
