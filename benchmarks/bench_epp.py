@@ -24,9 +24,10 @@ within 5%).
    Envoy + EPP - Envoy fixed; router: router - direct). Envoy's ext_proc counters give the
    messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
-   real tiny-preset engines): a fresh cluster per run whose router is also the EPP, the
-   workload driven through the HTTP router or through Envoy + EPP, arms interleaved,
-   ``--reps`` runs each (medians).
+   real tiny-preset engines): ``--rounds`` paired rounds, each a workload of its own seed run
+   through the HTTP router and through Envoy + EPP (a new random order each round), each run
+   on a fresh cluster whose router is also the EPP; the rounds' ratios give a geometric mean
+   and a 95% interval that says whether the front ends differ by more than 5%.
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py   # ~7 minutes
     git worktree add /tmp/epp_base acb11d7   # the hand-written HTTP/2 transport vs this tree's:
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -91,7 +93,7 @@ def _stop(p: subprocess.Popen | None) -> None:
 async def serve_null_processor(port: int, destination: str) -> None:
     """The floor of the EPP's transport: the EPP's BUFFERED message contract (request headers
     continued, the pick on the body response, an answer with a length skips its body) on the
-    same in-loop gRPC server, one fixed destination, no scheduling."""
+    same in-loop gRPC server and stream handler API, one fixed destination, no scheduling."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from kvserve.cluster.epp.grpc_server import Call, GrpcServer, Method
@@ -101,29 +103,37 @@ async def serve_null_processor(port: int, destination: str) -> None:
     pick = Pick([destination])
     cont = pb.CommonResponse()
     on_headers = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=cont))
-    on_body = pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=pick.mutation)),
-        dynamic_metadata=pick.metadata,
-    )
     on_response_body = pb.ProcessingResponse(response_body=pb.BodyResponse(response=cont))
+    on_response = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
+    on_finished = pb.ProcessingResponse()
+    on_finished.CopyFrom(on_response)
+    on_finished.mode_override.CopyFrom(skip_body)  # as the EPP does
+    answers = {
+        "request_headers": on_headers.SerializeToString(),
+        "request_body": pick.body_response,
+        "response_body": on_response_body.SerializeToString(),
+    }
+    finished, unfinished = on_finished.SerializeToString(), on_response.SerializeToString()
 
-    async def process(call: Call) -> None:
-        while (msg := await call.read()) is not None:
+    class Null:
+        def __init__(self, call: Call) -> None:
+            self.call = call
+
+        def on_message(self, msg: pb.ProcessingRequest) -> None:
             kind = msg.WhichOneof("request")
-            if kind == "request_headers":
-                call.write(on_headers)
-            elif kind == "request_body":
-                call.write(on_body)
-            elif kind == "response_headers":
-                r = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=cont))
-                if any(h.key == "content-length" for h in msg.response_headers.headers.headers):
-                    r.mode_override.CopyFrom(skip_body)  # as the EPP does
-                call.write(r)
-            elif kind == "response_body":
-                call.write(on_response_body)
+            if kind == "response_headers":
+                length = any(
+                    h.key == "content-length" for h in msg.response_headers.headers.headers
+                )
+                self.call.write(finished if length else unfinished)
+            elif kind in answers:
+                self.call.write(answers[kind])
+
+        def on_end(self) -> None:
+            pass
 
     path = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-    server = GrpcServer({path: Method(pb.ProcessingRequest, process)})
+    server = GrpcServer({path: Method(pb.ProcessingRequest, stream=Null)})
     await server.start("127.0.0.1", port)
     await asyncio.Event().wait()
 
@@ -301,57 +311,119 @@ def run_overhead(args, workdir: Path) -> list[dict]:
 # ------------------------------------------------------------------------------ quality
 
 
-def run_quality(args, workdir: Path) -> tuple[dict, dict]:
-    model_dir = default_model_dir("tiny")
-    vocab, tokenize = tokenizer_for(model_dir)
-    qargs = argparse.Namespace(quick=args.quick, output_len=8, seed=args.seed)
-    w = next(w for w in quality.workloads(qargs, vocab) if w.name == "multi-turn")
-    ws = quality.working_set_blocks(w)
-    pool = max(64, int(0.6 * ws))
-    sizes = {"working_set_blocks": ws, "pool_blocks": pool, "params": w.params}
-    runs: dict[str, list] = {"http_router": [], "envoy_epp": []}
-    for rep in range(args.reps):
-        for arm in runs if rep % 2 == 0 else reversed(list(runs)):
-            gport = free_port()
-            spec = ClusterSpec(
-                model_dir=str(model_dir),
-                num_engines=2,
-                engine_args=[
-                    *("--num-kv-blocks", str(pool), "--max-num-seqs", "8"),
-                    *("--num-threads", "1"),
-                ],
-                router_args=["--epp-port", str(gport)],
-                log_dir=str(workdir / f"{arm}-{rep}"),
+QUALITY_ARMS = ("http_router", "envoy_epp")
+# t(0.975, df) for the paired interval (df = rounds - 1); beyond the table, 1.96 + 2.4 / df
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086]  # fmt: skip
+
+
+def paired_interval(ratios: list[float]) -> dict:
+    """Geometric mean of paired ratios and its 95% t-interval (on the logs), and what the
+    interval says about a +-5% band: ``within`` (the whole interval inside 0.95-1.05),
+    ``outside`` (the whole interval beyond it) or ``inconclusive``."""
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    mean = sum(logs) / n
+    if n < 2:
+        return {"n": n, "geomean": math.exp(mean), "ci95": [math.nan, math.nan], "band": "n/a"}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    t = _T975[n - 2] if n - 2 < len(_T975) else 1.96 + 2.4 / (n - 1)
+    lo, hi = math.exp(mean - t * sd / math.sqrt(n)), math.exp(mean + t * sd / math.sqrt(n))
+    q = GOALS["quality"]
+    if 1 - q <= lo and hi <= 1 + q:
+        band = "within"
+    elif hi < 1 - q or lo > 1 + q:
+        band = "outside"
+    else:
+        band = "inconclusive"
+    return {"n": n, "geomean": math.exp(mean), "ci95": [lo, hi], "band": band}
+
+
+def _quality_run(args, model_dir: Path, w, pool: int, arm: str, workdir: Path):
+    """One run of the workload through ``arm`` on a fresh cluster (its own engines' caches
+    and router state); the router is also the EPP."""
+    gport = free_port()
+    spec = ClusterSpec(
+        model_dir=str(model_dir),
+        num_engines=2,
+        engine_args=[
+            *("--num-kv-blocks", str(pool), "--max-num-seqs", "8"),
+            *("--num-threads", "1"),
+        ],
+        router_args=["--epp-port", str(gport)],
+        log_dir=str(workdir),
+    )
+    _, tokenize = tokenizer_for(model_dir)
+    with LocalCluster(spec) as cluster:
+        envoy = None
+        base = cluster.router_url
+        if arm == "envoy_epp":
+            envoy = Envoy(EnvoySpec(("127.0.0.1", gport)), workdir).start()
+            base = envoy.url
+        try:
+            cfg = LoadConfig(
+                base_url=base,
+                model=spec.served_model_name,
+                concurrency=4,
+                label=arm,
+                seed=args.seed,
+                progress=False,
             )
-            with LocalCluster(spec) as cluster:
-                envoy = None
-                base = cluster.router_url
-                if arm == "envoy_epp":
-                    envoy = Envoy(EnvoySpec(("127.0.0.1", gport)), workdir).start()
-                    base = envoy.url
-                try:
-                    cfg = LoadConfig(
-                        base_url=base,
-                        model=spec.served_model_name,
-                        concurrency=4,
-                        label=arm,
-                        seed=args.seed,
-                        progress=False,
-                    )
-                    run = http_run(w, cfg, tokenize=tokenize)[1]
-                finally:
-                    if envoy is not None:
-                        envoy.stop()
-            s = run.summary
+            return http_run(w, cfg, tokenize=tokenize)[1].summary
+        finally:
+            if envoy is not None:
+                envoy.stop()
+
+
+def run_quality(args, workdir: Path) -> tuple[dict, dict]:
+    """Paired rounds: each round runs the workload (its own seed) through both front ends,
+    in a new random order, each on a fresh cluster; the ratios of a round compare the two
+    on the same prompts and the same machine moment."""
+    model_dir = default_model_dir("tiny")
+    vocab, _ = tokenizer_for(model_dir)
+    sizes: dict = {}
+    runs: dict[str, list] = {arm: [] for arm in QUALITY_ARMS}
+    rounds = []
+    for k in range(args.rounds):
+        qargs = argparse.Namespace(quick=args.quick, output_len=8, seed=args.seed + k)
+        w = next(w for w in quality.workloads(qargs, vocab) if w.name == "multi-turn")
+        if not sizes:  # (every round's workload has the same shape; pools sized once)
+            ws = quality.working_set_blocks(w)
+            sizes = {"working_set_blocks": ws, "pool_blocks": max(64, int(0.6 * ws))}
+            sizes["params"] = w.params
+        order = list(QUALITY_ARMS)
+        random.Random(1000 + k).shuffle(order)
+        got = {}
+        for arm in order:
+            s = _quality_run(args, model_dir, w, sizes["pool_blocks"], arm, workdir / f"{arm}-{k}")
+            got[arm] = s
+            runs[arm].append(s)
             print(
-                f"== {arm} rep {rep}: TTFT p90 {s.ttft.p90 * 1e3:.0f} ms, "
+                f"== round {k} {arm}: TTFT p90 {s.ttft.p90 * 1e3:.0f} ms, "
                 f"{s.total_token_throughput:.0f} tok/s, cache hit {s.cache_hit_ratio or 0:.0%}, "
                 f"failed {s.failed}, by endpoint {s.endpoints}",
                 flush=True,
             )
-            runs[arm].append(s)
-    rows = {arm: quality.median_row(sums) for arm, sums in runs.items()}
-    return rows, sizes
+        h, e = got["http_router"], got["envoy_epp"]
+        rounds.append(
+            {
+                "round": k,
+                "seed": args.seed + k,
+                "order": order,
+                "loadavg_1m": os.getloadavg()[0],
+                "throughput_ratio": e.total_token_throughput / h.total_token_throughput,
+                "ttft_p90_ratio": e.ttft.p90 / h.ttft.p90,
+                "cache_hit": [h.cache_hit_ratio or 0.0, e.cache_hit_ratio or 0.0],
+                "tok_s": [h.total_token_throughput, e.total_token_throughput],
+                "ttft_p90_ms": [1e3 * h.ttft.p90, 1e3 * e.ttft.p90],
+                "failed": [h.failed, e.failed],
+            }
+        )
+    qual = {arm: quality.median_row(sums) for arm, sums in runs.items()}
+    qual["rounds"] = rounds
+    qual["throughput"] = paired_interval([r["throughput_ratio"] for r in rounds])
+    qual["ttft_p90"] = paired_interval([r["ttft_p90_ratio"] for r in rounds])
+    return qual, sizes
 
 
 # ------------------------------------------------------------------------------ report
@@ -417,13 +489,17 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 )
     if qual:
         h, e = qual["http_router"], qual["envoy_epp"]
-        thr = e["total_tok_s"] / h["total_tok_s"]
-        ttft = e["ttft_p90_ms"] / h["ttft_p90_ms"]
-        ok = abs(thr - 1) <= GOALS["quality"] and abs(ttft - 1) <= GOALS["quality"]
+        thr, ttft = qual["throughput"], qual["ttft_p90"]
+        met = {"within": "met", "outside": "NOT met", "inconclusive": "inconclusive"}
+        ok = [met.get(x["band"], x["band"]) for x in (thr, ttft)]
         verdict.append(
-            f"- Multi-turn through Envoy + EPP vs the HTTP router: throughput {thr:.3f}x, "
-            f"TTFT p90 {ttft:.3f}x, cache hit {e['cache_hit_ratio']:.0%} vs "
-            f"{h['cache_hit_ratio']:.0%} (goal within 5%: {'met' if ok else 'NOT met'})."
+            f"- Multi-turn through Envoy + EPP vs the HTTP router, {thr['n']} paired rounds "
+            f"(geometric mean of the rounds' ratios, 95% interval): throughput "
+            f"{thr['geomean']:.3f}x ({thr['ci95'][0]:.3f}-{thr['ci95'][1]:.3f}: {thr['band']} "
+            f"+-5%), TTFT p90 {ttft['geomean']:.3f}x ({ttft['ci95'][0]:.3f}-"
+            f"{ttft['ci95'][1]:.3f}: {ttft['band']} +-5%); cache hit {e['cache_hit_ratio']:.0%} "
+            f"vs {h['cache_hit_ratio']:.0%} (goal within 5%: throughput {ok[0]}, TTFT p90 "
+            f"{ok[1]})."
         )
     record = {
         "benchmark": "epp",
@@ -444,7 +520,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "epp_arms": {arm: list(v) for arm, v in args.arms.items()},
             "base_src": args.base_src,
             "base_rev": args.base_rev,
-            "reps": args.reps,
+            "quality_rounds": args.rounds,
             "quality_workload": sizes,
         },
         "overhead": over,
@@ -485,6 +561,9 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "added p50/p99 | CPU ms/req EPP / router / Envoy (ext_proc listener) | errors | load |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    if not over:
+        lines = [line for line in lines if not line.startswith(("| req/s", "| ---:"))]
+        lines.append("(not run: --skip-overhead)")
     for r in over:
         lines.append(
             f"| {r['rate']:.0f} | {r['requests_envoy_epp']} | "
@@ -524,25 +603,58 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"{r[f'{arm}_msgs_from_processor_per_request']:.2f} |"
             )
     if qual and sizes:
+        params = {k: v for k, v in sizes["params"].items() if k != "seed"}
         lines += [
             "",
             "## 2. Routing quality (multi-turn, 2 real tiny-preset engines)",
             "",
-            f"Workload of `bench_routing_quality.py` ({sizes['params']}); each engine's pool "
+            f"Workload of `bench_routing_quality.py` ({params}); each engine's pool "
             f"{sizes['pool_blocks']} blocks (60% of the ~{sizes['working_set_blocks']}-block "
-            f"working set); {args.reps} runs per arm (a fresh cluster each, arms interleaved), "
-            "medians; the same router process serves both front ends.",
+            f"working set). {args.rounds} paired rounds: each round draws its own workload "
+            f"(seed {args.seed} + round) and runs it through both front ends, in a new random "
+            "order, each on a fresh cluster (engines, caches and router state new); the same "
+            "router process serves both front ends. A round's ratio is Envoy + EPP over the "
+            "HTTP router; their geometric mean and its 95% t-interval (on the logs) say whether "
+            "the two differ by more than 5% (`within`: the whole interval inside 0.95-1.05; "
+            "`outside`: wholly beyond it; else `inconclusive`).",
             "",
-            "| front end | TTFT p50 ms | TTFT p90 ms | total tok/s | runs (tok/s) | cache hit | "
-            "failed | requests per engine |",
-            "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+            "| measure | geometric mean (Envoy + EPP / HTTP router) | 95% interval | +-5% |",
+            "| --- | ---: | ---: | --- |",
         ]
-        for arm, r in qual.items():
+        for name, key in (("throughput (total tok/s)", "throughput"), ("TTFT p90", "ttft_p90")):
+            x = qual[key]
+            lines.append(
+                f"| {name} | {x['geomean']:.3f} | {x['ci95'][0]:.3f}-{x['ci95'][1]:.3f} | "
+                f"{x['band']} |"
+            )
+        lines += [
+            "",
+            "| round | order | tok/s router / EPP | ratio | TTFT p90 ms router / EPP | ratio | "
+            "cache hit router / EPP | failed | load |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in qual["rounds"]:
+            lines.append(
+                f"| {r['round']} | {' then '.join(r['order'])} | {r['tok_s'][0]:.0f} / "
+                f"{r['tok_s'][1]:.0f} | {r['throughput_ratio']:.3f} | {r['ttft_p90_ms'][0]:.0f} "
+                f"/ {r['ttft_p90_ms'][1]:.0f} | {r['ttft_p90_ratio']:.3f} | "
+                f"{r['cache_hit'][0]:.0%} / {r['cache_hit'][1]:.0%} | {sum(r['failed'])} | "
+                f"{r['loadavg_1m']:.1f} |"
+            )
+        lines += [
+            "",
+            "Medians over the rounds, per front end:",
+            "",
+            "| front end | TTFT p50 ms | TTFT p90 ms | total tok/s | cache hit | failed | "
+            "requests per engine |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for arm in QUALITY_ARMS:
+            r = qual[arm]
             eps = ", ".join(f"{k}: {v}" for k, v in sorted(r["endpoints"].items()))
             lines.append(
                 f"| {arm} | {r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | "
-                f"{r['total_tok_s']:.0f} | {r['total_tok_s_runs']} | "
-                f"{r['cache_hit_ratio']:.0%} | {r['failed']} | {eps} |"
+                f"{r['total_tok_s']:.0f} | {r['cache_hit_ratio']:.0%} | {r['failed']} | {eps} |"
             )
     lines += ["", f"Run took {elapsed:.0f} s.", "", machine_markdown(machine)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -555,9 +667,12 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="rounds of the arms per rate")
     ap.add_argument("--block-s", type=float, default=4.0)
     ap.add_argument("--backends", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=3, help="routing-quality runs per front end")
+    ap.add_argument(
+        "--rounds", type=int, default=10, help="routing quality: paired rounds (both front ends)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true", help="routing quality only")
     ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
@@ -589,7 +704,7 @@ def main() -> None:
         uvloop.run(serve_null_processor(int(port), destination))
         return
     if args.quick:
-        args.blocks, args.block_s, args.reps = 1, 2.0, 1
+        args.blocks, args.block_s, args.rounds = 1, 2.0, 2
     known = {**EPP_ARMS, **(BASE_ARM if args.base_src else {})}
     names = args.epp_arms or list(known)
     if unknown := set(names) - set(known):
@@ -604,7 +719,7 @@ def main() -> None:
         ).stdout.strip()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-epp-") as tmp:
-        over = run_overhead(args, Path(tmp))
+        over = [] if args.skip_overhead else run_overhead(args, Path(tmp))
         qual = sizes = None
         if not args.skip_quality:
             qual, sizes = run_quality(args, Path(tmp))

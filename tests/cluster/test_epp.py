@@ -224,18 +224,33 @@ def _stream(url: str, body: dict) -> tuple[list[bytes], int]:
     return [ln for ln in data.split(b"\n") if ln.startswith(b"data: ")], reads
 
 
+def _ext_proc_messages(envoy: Envoy) -> tuple[int, int]:
+    """Envoy's ext_proc messages so far: sent to the EPP, received from it."""
+    st = envoy.stats("http.epp.ext_proc.")
+    return st["http.epp.ext_proc.stream_msgs_sent"], st["http.epp.ext_proc.stream_msgs_received"]
+
+
 def test_streaming_arrives_token_by_token(stack):
     """Every event of an engine's stream through Envoy (that each is relayed as it comes,
     not gathered, is checked on a slow stream below: a tiny engine's events can coalesce in
-    one read of a client slower than the engine)."""
-    _, _, envoy = stack
+    one read of a client slower than the engine). The stream's events do not pass through
+    the EPP (three messages each way for the whole request, none per event), and its count
+    is released at its end, when Envoy ends the ext_proc stream."""
+    _, epp, envoy = stack
     body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 24, "stream": True}
     body.update(temperature=0, ignore_eos=True, stream_options={"include_usage": True})
+    sent, received = _ext_proc_messages(envoy)
     events, reads = _stream(envoy.url, body)
     assert events[-1] == b"data: [DONE]"
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 24
     # An event per step (a loaded engine merges the tokens of steps its stream lagged on).
     assert len(events) >= 6 and reads >= 1
+    deadline = time.monotonic() + 30
+    while any(e["in_flight"] for e in epp.state().values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(e["in_flight"] == 0 for e in epp.state().values())
+    after = _ext_proc_messages(envoy)
+    assert (after[0] - sent, after[1] - received) == (3, 3)  # BUFFERED, the body skipped
 
 
 def test_a_1mb_body_passes_intact(stack):

@@ -26,9 +26,12 @@ immediate responses with an OpenAI-style body: 400 (bad JSON), 401 (no valid key
 The response path teaches the scheduling core where the request was served: the metadata
 ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` when the gateway reports it, else
 the ``upstream.address`` attribute. The picked endpoint's in-flight count moves there, and is
-released at the end of the response (an event stream's last chunk; for an answer with a
-length, its headers: the engine has finished, and Envoy is asked to skip its body) or when
-the stream ends or breaks, whichever is first.
+released at the end of the response: for an answer with a length, at its headers (the engine
+has finished); for an event stream, when the ext_proc stream ends (Envoy ends it with the HTTP
+request: after the stream's last event, or when the client goes away), or at its last chunk
+where the body still comes through (FULL_DUPLEX_STREAMED); whichever is first. Envoy is asked
+to skip the response body (``mode_override``): the events of a stream are not held for an
+answer of the EPP each.
 
 Cost per request (the transport hands each message over in the loop turn it arrives in):
 :meth:`ExtProcStream.handle` answers synchronously unless the pick must wait (a long prompt
@@ -499,17 +502,16 @@ class ExtProcStream:
             served.answered_at = time.monotonic()
             core.metrics.requests_of(name, status).inc()
             core.metrics.first_byte_of(name).observe(time.perf_counter() - self.t_pick)
-        skip_body = False
-        if msg.response_headers.end_of_stream:
+        if msg.response_headers.end_of_stream or (length and not event_stream):
+            # An answer with a length comes from an engine that has finished the request.
             self.release()
-        elif length and not event_stream:
-            # An answer with a length comes from an engine that has finished the request:
-            # release now, and ask Envoy (``allow_mode_override``) not to send its body
-            # through here: one message less each way where Envoy honours it (its counters
-            # show the body still comes with a FULL_DUPLEX_STREAMED request: it is continued).
-            skip_body = self.response_mode != NONE
-            self.release()
-        return [_served_answer(name, skip_body)]
+        # Any other (an event stream) is released when the ext_proc stream ends: Envoy ends
+        # it when the HTTP request does (the stream's last event sent, or the client gone).
+        # Either way Envoy is asked (``allow_mode_override``) not to send the body through
+        # here: one message less each way for an answer, one round trip less per event of a
+        # stream, where Envoy honours it (its counters show the body still comes with a
+        # FULL_DUPLEX_STREAMED request: it is continued).
+        return [_served_answer(name, self.response_mode != NONE)]
 
     @staticmethod
     def _served_address(msg: pb.ProcessingRequest) -> str:
