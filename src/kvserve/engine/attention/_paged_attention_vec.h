@@ -341,6 +341,45 @@ PA_INLINE void pv_rows_bf(float *restrict acc, const float *restrict P, int64_t 
             vstore(acc + r * D + VW * j, o[r][j]);
 }
 
+/* exp_neg on 16 lanes (the same polynomial; -inf lanes give 0). */
+PA_INLINE __m512 exp_neg16(__m512 x)
+{
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 big = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big),
+                                   big); /* round(x / ln 2) */
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~tiny, y, _mm512_castsi512_ps(bits));
+}
+
+/* softmax_step for n <= 16 scores, in one vector: no scalar tail, tree reductions (the loop
+ * version sums its lanes one after the other, a chain of 16 adds per row and chunk). */
+PA_INLINE float softmax16(float *restrict s, int64_t nv, float *mx, float *sum)
+{
+    const int64_t k = nv < 0 ? 0 : nv;
+    const __mmask16 valid = (__mmask16)((1u << k) - 1u);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s);
+    float cmax = _mm512_reduce_max_ps(x);
+    cmax = cmax > *mx ? cmax : *mx;
+    const __m512 e = exp_neg16(_mm512_sub_ps(x, _mm512_set1_ps(cmax)));
+    _mm512_storeu_ps(s, e);
+    const float alpha = exp_neg(*mx - cmax);
+    *mx = cmax;
+    *sum = *sum * alpha + _mm512_reduce_add_ps(e);
+    return alpha;
+}
+
 /* R rows (grouped heads of a decode, or a short prefill tile) over one chunk. */
 PA_INLINE void rows_bf(const bf_t *const *qr, float *restrict acc, float *restrict S, float *mx,
                        float *sum, const bf_t *const *kp, const bf_t *const *vp, int64_t n,
@@ -355,7 +394,8 @@ PA_INLINE void rows_bf(const bf_t *const *qr, float *restrict acc, float *restri
     float alpha[VMAX_ROWS];
     for (int r = 0; r < R; r++) {
         scores_bf(qr[r], kp, n_any, S + r * CHUNK, ND / 2, scale);
-        alpha[r] = softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
+        alpha[r] = n_any <= 16 ? softmax16(S + r * CHUNK, nv[r], mx + r, sum + r)
+                               : softmax_step(S + r * CHUNK, n_any, nv[r], mx + r, sum + r);
     }
     pv_rows_bf(acc, S, CHUNK, 1, alpha, vp, n_any, R, ND, pf, n_pf, pf_kv);
 }
