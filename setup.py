@@ -17,6 +17,9 @@ import tempfile
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# Headers shared by the C extensions (bf16 <-> fp32 conversion).
+CSRC = "src/kvserve/csrc"
+
 
 def _compiler_accepts(compiler, flags: list[str]) -> bool:
     """Whether ``compiler`` compiles and links a small OpenMP program with ``flags``."""
@@ -61,12 +64,15 @@ setup(
         Extension(
             "kvserve.engine.attention._paged_attention",
             ["src/kvserve/engine/attention/_paged_attention.c"],
-            depends=["src/kvserve/engine/attention/_paged_attention_vec.h"],
+            include_dirs=[CSRC],
+            depends=["src/kvserve/engine/attention/_paged_attention_vec.h", f"{CSRC}/bf16.h"],
             optional=True,
         ),
         Extension(
             "kvserve.model._fused_ops",
             ["src/kvserve/model/_fused_ops.c"],
+            include_dirs=[CSRC],
+            depends=[f"{CSRC}/bf16.h"],
             optional=True,
         ),
     ],

@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h" /* src/kvserve/csrc: bf16_to_f32, f32_to_bf16 */
+
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 12
 #define FO_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -25,22 +27,6 @@
 #endif
 #define FO_INLINE static inline __attribute__((always_inline))
 #define FO_PAR_MIN (1 << 16) /* elements below which one thread does the whole call */
-
-FO_INLINE float bf16_to_f32(uint16_t x)
-{
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-FO_INLINE uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* to nearest even */
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
 
 /* Element i of a row as fp32 (elem 4: fp32, 2: bf16). */
 FO_INLINE float ld(const char *row, int64_t i, int elem)

@@ -44,6 +44,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h" /* src/kvserve/csrc: bf16_to_f32, f32_to_bf16 */
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -89,24 +91,6 @@ typedef struct {
 } pa_item;
 
 /* -- element conversion ----------------------------------------------------------------- */
-
-PA_INLINE float bf16_to_f32(uint16_t x)
-{
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-PA_INLINE uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN */
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* dst[0:n) = src[0:n) * s as fp32 (src fp32 or bf16). */
 PA_INLINE void load_row(float *restrict dst, const char *src, int64_t n, int elem, float s)
@@ -218,34 +202,8 @@ typedef float vf4 __attribute__((vector_size(16)));
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx2,fma,bmi,bmi2,lzcnt,f16c")
 #define VW 16
-#define vf vf_512
-#define vf_u vf_u_512
-#define vload vload_512
-#define vstore vstore_512
-#define hsum hsum_512
-#define pv_rows pv_rows_512
-#define scores_tr scores_tr_512
-#define tile_transposed tile_transposed_512
-#define tile_softmax tile_softmax_512
-#define rows_vec rows_vec_512
-#define chunk_rows chunk_rows_512
-#define attend_d attend_d_512
-#define attend_item attend_item_512
+#define PA_SFX _512
 #include "_paged_attention_vec.h"
-#undef VW
-#undef vf
-#undef vf_u
-#undef vload
-#undef vstore
-#undef hsum
-#undef pv_rows
-#undef scores_tr
-#undef tile_transposed
-#undef tile_softmax
-#undef rows_vec
-#undef chunk_rows
-#undef attend_d
-#undef attend_item
 #pragma GCC pop_options
 
 #if PA_X86_BF16
@@ -254,105 +212,25 @@ typedef float vf4 __attribute__((vector_size(16)));
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512cd,avx512bf16,avx2,fma,bmi,bmi2,lzcnt,f16c")
 #define VW 16
+#define PA_SFX _b16
 #define PA_BF16 1
-#define vf vf_b16
-#define vf_u vf_u_b16
-#define vload vload_b16
-#define vstore vstore_b16
-#define hsum hsum_b16
-#define pv_rows pv_rows_b16
-#define scores_tr scores_tr_b16
-#define tile_transposed tile_transposed_b16
-#define tile_softmax tile_softmax_b16
-#define rows_vec rows_vec_b16
-#define chunk_rows chunk_rows_b16
-#define attend_d attend_d_b16
-#define attend_item attend_item_b16
 #include "_paged_attention_vec.h"
-#undef PA_BF16
-#undef VW
-#undef vf
-#undef vf_u
-#undef vload
-#undef vstore
-#undef hsum
-#undef pv_rows
-#undef scores_tr
-#undef tile_transposed
-#undef tile_softmax
-#undef rows_vec
-#undef chunk_rows
-#undef attend_d
-#undef attend_item
 #pragma GCC pop_options
 #endif
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,bmi,bmi2,lzcnt,f16c")
 #define VW 8
-#define vf vf_256
-#define vf_u vf_u_256
-#define vload vload_256
-#define vstore vstore_256
-#define hsum hsum_256
-#define pv_rows pv_rows_256
-#define scores_tr scores_tr_256
-#define tile_transposed tile_transposed_256
-#define tile_softmax tile_softmax_256
-#define rows_vec rows_vec_256
-#define chunk_rows chunk_rows_256
-#define attend_d attend_d_256
-#define attend_item attend_item_256
+#define PA_SFX _256
 #include "_paged_attention_vec.h"
-#undef VW
-#undef vf
-#undef vf_u
-#undef vload
-#undef vstore
-#undef hsum
-#undef pv_rows
-#undef scores_tr
-#undef tile_transposed
-#undef tile_softmax
-#undef rows_vec
-#undef chunk_rows
-#undef attend_d
-#undef attend_item
 #pragma GCC pop_options
 #endif
 
 /* Baseline: plain loops only (vectorized at the baseline's width). */
 #define VW 4
-#define vf vf_128
-#define vf_u vf_u_128
-#define vload vload_128
-#define vstore vstore_128
-#define hsum hsum_128
-#define pv_rows pv_rows_128
-#define scores_tr scores_tr_128
-#define tile_transposed tile_transposed_128
-#define tile_softmax tile_softmax_128
-#define rows_vec rows_vec_128
-#define chunk_rows chunk_rows_128
-#define attend_d attend_d_128
-#define attend_item attend_item_128
+#define PA_SFX _128
 #define PA_PLAIN_ONLY 1
 #include "_paged_attention_vec.h"
-#undef PA_PLAIN_ONLY
-#undef VW
-#undef vf
-#undef vf_u
-#undef vload
-#undef vstore
-#undef hsum
-#undef pv_rows
-#undef scores_tr
-#undef tile_transposed
-#undef tile_softmax
-#undef rows_vec
-#undef chunk_rows
-#undef attend_d
-#undef attend_item
 
 /* The widest path this CPU runs: 3 = AVX-512 with AVX512_BF16, 2 = AVX-512, 1 = AVX2 + FMA,
  * 0 = baseline (set at import; KVSERVE_PAGED_ATTENTION_ISA=avx512|avx2|baseline caps it, e.g.

@@ -1,8 +1,26 @@
-/* The kernel's per-item code, included by _paged_attention.c once per vector width VW (16:
- * AVX-512, 8: AVX2) under the matching `#pragma GCC target`; the includer maps every name
- * defined here to a per-width one (see PA_VEC_NAMES there). Register budgets per width:
- * V_ND vectors per row (head dim <= 128), V_RMAX(D) rows per group, V_MV row vectors and
- * V_TB keys per transposed-score step. */
+/* The kernel's per-item code, included by _paged_attention.c once per vector width under the
+ * matching `#pragma GCC target`. The includer defines VW (16: AVX-512, 8: AVX2, 4: baseline),
+ * PA_SFX (this copy's suffix: attend_item becomes attend_item_512, ...) and optionally
+ * PA_BF16 (AVX512_BF16 code for bf16 caches) or PA_PLAIN_ONLY (plain loops only); this header
+ * suffixes every name it defines and #undefs all of it, parameters included, at its end.
+ * Register budgets per width: V_ND vectors per row (head dim <= 128), V_RMAX(D) rows per
+ * group, V_MV row vectors and V_TB keys per transposed-score step. */
+
+#define PA_CAT2(a, b) a##b
+#define PA_CAT(a, b) PA_CAT2(a, b)
+#define vf PA_CAT(vf, PA_SFX)
+#define vf_u PA_CAT(vf_u, PA_SFX)
+#define vload PA_CAT(vload, PA_SFX)
+#define vstore PA_CAT(vstore, PA_SFX)
+#define hsum PA_CAT(hsum, PA_SFX)
+#define pv_rows PA_CAT(pv_rows, PA_SFX)
+#define scores_tr PA_CAT(scores_tr, PA_SFX)
+#define tile_softmax PA_CAT(tile_softmax, PA_SFX)
+#define tile_transposed PA_CAT(tile_transposed, PA_SFX)
+#define rows_vec PA_CAT(rows_vec, PA_SFX)
+#define chunk_rows PA_CAT(chunk_rows, PA_SFX)
+#define attend_d PA_CAT(attend_d, PA_SFX)
+#define attend_item PA_CAT(attend_item, PA_SFX)
 
 #if VW == 16
 #define V_ND 8
@@ -769,3 +787,22 @@ static void attend_item(const pa_args *a, const pa_item *it, float *ws)
 #undef V_MV
 #undef V_TB
 #undef V_RMAX
+#undef vf
+#undef vf_u
+#undef vload
+#undef vstore
+#undef hsum
+#undef pv_rows
+#undef scores_tr
+#undef tile_softmax
+#undef tile_transposed
+#undef rows_vec
+#undef chunk_rows
+#undef attend_d
+#undef attend_item
+#undef PA_CAT
+#undef PA_CAT2
+#undef VW
+#undef PA_SFX
+#undef PA_BF16
+#undef PA_PLAIN_ONLY
