@@ -13,6 +13,7 @@ anonymous memory, so that a storage writer process maps them and reads chunks in
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 
@@ -122,7 +123,10 @@ class CpuBackend(Backend):
     def offset_of(self, view: memoryview) -> int:
         """Where ``view`` (bytes of this tier's memory, e.g. a slot of :attr:`slots_u8`)
         starts in it; ValueError for memory that is not this tier's."""
-        addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        try:  # a writable view (the slots): ~0.2 us, numpy's ctypes address ~1.6 us
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        except (TypeError, ValueError):  # read-only or empty
+            addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         off = addr - self._base
         if not 0 <= off <= len(self._mem) - view.nbytes:
             raise ValueError("buffer outside the host tier's memory")
