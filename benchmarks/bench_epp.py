@@ -24,12 +24,13 @@ within 5%).
    Envoy + EPP - Envoy fixed; router: router - direct). Envoy's ext_proc counters give the
    messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
-   real tiny-preset engines): ``--rounds`` paired rounds, each a workload of its own seed run
-   through the HTTP router and through Envoy + EPP (a new random order each round), each run
-   on a fresh cluster whose router is also the EPP; the rounds' ratios give a geometric mean
-   and a 95% interval that says whether the front ends differ by more than 5%.
+   real tiny-preset engines, one cluster whose router is also the EPP): ``--rounds`` paired
+   rounds, each running the workload through the HTTP router and through Envoy + EPP (a new
+   random order each round; each run with prompts of its own seed, so no run finds another's
+   prefixes cached); the rounds' ratios give a geometric mean and a 95% interval that says
+   whether the front ends differ by more than 5%.
 
-    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py   # ~7 minutes
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py   # ~8 minutes
     git worktree add /tmp/epp_base acb11d7   # the hand-written HTTP/2 transport vs this tree's:
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py --skip-quality \
         --base-src /tmp/epp_base --epp-arms envoy_epp envoy_epp_base --out .../epp_h2
@@ -49,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -339,86 +341,83 @@ def paired_interval(ratios: list[float]) -> dict:
     return {"n": n, "geomean": math.exp(mean), "ci95": [lo, hi], "band": band}
 
 
-def _quality_run(args, model_dir: Path, w, pool: int, arm: str, workdir: Path):
-    """One run of the workload through ``arm`` on a fresh cluster (its own engines' caches
-    and router state); the router is also the EPP."""
+def _multi_turn(args, vocab, seed: int):
+    qargs = argparse.Namespace(quick=args.quick, output_len=8, seed=seed)
+    return next(w for w in quality.workloads(qargs, vocab) if w.name == "multi-turn")
+
+
+def run_quality(args, workdir: Path) -> tuple[dict, dict]:
+    """Paired rounds on one cluster (2 engines, a router that is also the EPP, an Envoy):
+    each round runs the multi-turn workload through both front ends, in a new random order,
+    each run with prompts of its own (a seed per run: nothing one run cached is a prefix of
+    another's), so a round compares the two on the same machine moment and the same
+    workload shape. A warm-up run per front end first (not counted)."""
+    model_dir = default_model_dir("tiny")
+    vocab, tokenize = tokenizer_for(model_dir)
+    w = _multi_turn(args, vocab, args.seed)
+    ws = quality.working_set_blocks(w)
+    sizes = {"working_set_blocks": ws, "pool_blocks": max(64, int(0.6 * ws)), "params": w.params}
     gport = free_port()
     spec = ClusterSpec(
         model_dir=str(model_dir),
         num_engines=2,
         engine_args=[
-            *("--num-kv-blocks", str(pool), "--max-num-seqs", "8"),
-            *("--num-threads", "1"),
+            *("--num-kv-blocks", str(sizes["pool_blocks"])),
+            *("--max-num-seqs", "8", "--num-threads", "1"),
         ],
         router_args=["--epp-port", str(gport)],
-        log_dir=str(workdir),
+        log_dir=str(args.quality_logs or workdir / "quality"),
     )
-    _, tokenize = tokenizer_for(model_dir)
-    with LocalCluster(spec) as cluster:
-        envoy = None
-        base = cluster.router_url
-        if arm == "envoy_epp":
-            envoy = Envoy(EnvoySpec(("127.0.0.1", gport)), workdir).start()
-            base = envoy.url
-        try:
+    runs: dict[str, list] = {arm: [] for arm in QUALITY_ARMS}
+    rounds = []
+    with LocalCluster(spec) as cluster, Envoy(EnvoySpec(("127.0.0.1", gport)), workdir) as envoy:
+        urls = {"http_router": cluster.router_url, "envoy_epp": envoy.url}
+
+        def run(arm: str, seed: int):
             cfg = LoadConfig(
-                base_url=base,
+                base_url=urls[arm],
                 model=spec.served_model_name,
                 concurrency=4,
                 label=arm,
-                seed=args.seed,
+                seed=seed,
                 progress=False,
             )
-            return http_run(w, cfg, tokenize=tokenize)[1].summary
-        finally:
-            if envoy is not None:
-                envoy.stop()
+            result, r = http_run(_multi_turn(args, vocab, seed), cfg, tokenize=tokenize)
+            errors = Counter(rec.error for rec in result.records if rec.error)
+            return r.summary, dict(errors)
 
-
-def run_quality(args, workdir: Path) -> tuple[dict, dict]:
-    """Paired rounds: each round runs the workload (its own seed) through both front ends,
-    in a new random order, each on a fresh cluster; the ratios of a round compare the two
-    on the same prompts and the same machine moment."""
-    model_dir = default_model_dir("tiny")
-    vocab, _ = tokenizer_for(model_dir)
-    sizes: dict = {}
-    runs: dict[str, list] = {arm: [] for arm in QUALITY_ARMS}
-    rounds = []
-    for k in range(args.rounds):
-        qargs = argparse.Namespace(quick=args.quick, output_len=8, seed=args.seed + k)
-        w = next(w for w in quality.workloads(qargs, vocab) if w.name == "multi-turn")
-        if not sizes:  # (every round's workload has the same shape; pools sized once)
-            ws = quality.working_set_blocks(w)
-            sizes = {"working_set_blocks": ws, "pool_blocks": max(64, int(0.6 * ws))}
-            sizes["params"] = w.params
-        order = list(QUALITY_ARMS)
-        random.Random(1000 + k).shuffle(order)
-        got = {}
-        for arm in order:
-            s = _quality_run(args, model_dir, w, sizes["pool_blocks"], arm, workdir / f"{arm}-{k}")
-            got[arm] = s
-            runs[arm].append(s)
-            print(
-                f"== round {k} {arm}: TTFT p90 {s.ttft.p90 * 1e3:.0f} ms, "
-                f"{s.total_token_throughput:.0f} tok/s, cache hit {s.cache_hit_ratio or 0:.0%}, "
-                f"failed {s.failed}, by endpoint {s.endpoints}",
-                flush=True,
+        for i, arm in enumerate(QUALITY_ARMS):  # warm-up: engines, Envoy, connections
+            run(arm, args.seed + 1_000_000 + i)
+        for k in range(args.rounds):
+            order = list(QUALITY_ARMS)
+            random.Random(1000 + k).shuffle(order)
+            got, errors = {}, {}
+            for j, arm in enumerate(order):
+                s, errors[arm] = run(arm, args.seed + 2 * k + j)
+                got[arm] = s
+                runs[arm].append(s)
+                print(
+                    f"== round {k} {arm}: TTFT p90 {s.ttft.p90 * 1e3:.0f} ms, "
+                    f"{s.total_token_throughput:.0f} tok/s, cache hit "
+                    f"{s.cache_hit_ratio or 0:.0%}, failed {s.failed} {errors[arm] or ''}, "
+                    f"by endpoint {s.endpoints}",
+                    flush=True,
+                )
+            h, e = got["http_router"], got["envoy_epp"]
+            rounds.append(
+                {
+                    "round": k,
+                    "order": order,
+                    "loadavg_1m": os.getloadavg()[0],
+                    "throughput_ratio": e.total_token_throughput / h.total_token_throughput,
+                    "ttft_p90_ratio": e.ttft.p90 / h.ttft.p90,
+                    "cache_hit": [h.cache_hit_ratio or 0.0, e.cache_hit_ratio or 0.0],
+                    "tok_s": [h.total_token_throughput, e.total_token_throughput],
+                    "ttft_p90_ms": [1e3 * h.ttft.p90, 1e3 * e.ttft.p90],
+                    "failed": [h.failed, e.failed],
+                    "errors": errors,
+                }
             )
-        h, e = got["http_router"], got["envoy_epp"]
-        rounds.append(
-            {
-                "round": k,
-                "seed": args.seed + k,
-                "order": order,
-                "loadavg_1m": os.getloadavg()[0],
-                "throughput_ratio": e.total_token_throughput / h.total_token_throughput,
-                "ttft_p90_ratio": e.ttft.p90 / h.ttft.p90,
-                "cache_hit": [h.cache_hit_ratio or 0.0, e.cache_hit_ratio or 0.0],
-                "tok_s": [h.total_token_throughput, e.total_token_throughput],
-                "ttft_p90_ms": [1e3 * h.ttft.p90, 1e3 * e.ttft.p90],
-                "failed": [h.failed, e.failed],
-            }
-        )
     qual = {arm: quality.median_row(sums) for arm, sums in runs.items()}
     qual["rounds"] = rounds
     qual["throughput"] = paired_interval([r["throughput_ratio"] for r in rounds])
@@ -610,12 +609,14 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "",
             f"Workload of `bench_routing_quality.py` ({params}); each engine's pool "
             f"{sizes['pool_blocks']} blocks (60% of the ~{sizes['working_set_blocks']}-block "
-            f"working set). {args.rounds} paired rounds: each round draws its own workload "
-            f"(seed {args.seed} + round) and runs it through both front ends, in a new random "
-            "order, each on a fresh cluster (engines, caches and router state new); the same "
-            "router process serves both front ends. A round's ratio is Envoy + EPP over the "
-            "HTTP router; their geometric mean and its 95% t-interval (on the logs) say whether "
-            "the two differ by more than 5% (`within`: the whole interval inside 0.95-1.05; "
+            f"working set). One cluster (2 engines, a router that is also the EPP, an Envoy); "
+            f"a warm-up run per front end, then {args.rounds} paired rounds: each round runs "
+            "the workload through both front ends, in a new random order, each run with "
+            "prompts of its own (a seed per run: no run finds another's prefixes cached), so a "
+            "round compares the two on the same machine moment. A round's ratio is Envoy + EPP "
+            "over the HTTP router; their geometric mean and its 95% t-interval (on the logs) "
+            "say whether the two differ by more than 5% (`within`: the whole interval inside "
+            "0.95-1.05; "
             "`outside`: wholly beyond it; else `inconclusive`).",
             "",
             "| measure | geometric mean (Envoy + EPP / HTTP router) | 95% interval | +-5% |",
@@ -668,11 +669,12 @@ def main() -> None:
     ap.add_argument("--block-s", type=float, default=4.0)
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument(
-        "--rounds", type=int, default=10, help="routing quality: paired rounds (both front ends)"
+        "--rounds", type=int, default=40, help="routing quality: paired rounds (both front ends)"
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true", help="routing quality only")
+    ap.add_argument("--quality-logs", default=None, help="keep the quality cluster's logs here")
     ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
