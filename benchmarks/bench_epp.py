@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -64,6 +65,7 @@ from kvserve.bench.envoy import Envoy, EnvoySpec  # noqa: E402
 from kvserve.bench.loadgen import LoadConfig, http_run  # noqa: E402
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster, free_port  # noqa: E402
 from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E402
+from kvserve.cluster.upstream import Origin  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"rate": 200, "epp_p50_ms": 2.0, "epp_p99_ms": 8.0, "vs_router_ms": 1.0, "quality": 0.05}
@@ -370,8 +372,15 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
     )
     runs: dict[str, list] = {arm: [] for arm in QUALITY_ARMS}
     rounds = []
-    with LocalCluster(spec) as cluster, Envoy(EnvoySpec(("127.0.0.1", gport)), workdir) as envoy:
-        urls = {"http_router": cluster.router_url, "envoy_epp": envoy.url}
+    with LocalCluster(spec) as cluster, contextlib.ExitStack() as stack:
+        envoy_spec = EnvoySpec(("127.0.0.1", gport))
+        router = Origin.from_url(cluster.router_url)
+        envoy_spec.direct_upstream = (router.host, router.port)  # Envoy's listener without ext_proc
+        envoy = stack.enter_context(Envoy(envoy_spec, workdir))
+        # --router-via-envoy: both front ends behind the same Envoy (the HTTP router through
+        # its listener without ext_proc): the difference is then ext_proc + EPP vs the proxy
+        router_url = envoy.direct_url if args.router_via_envoy else cluster.router_url
+        urls = {"http_router": router_url, "envoy_epp": envoy.url}
 
         def run(arm: str, seed: int):
             cfg = LoadConfig(
@@ -520,6 +529,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "base_src": args.base_src,
             "base_rev": args.base_rev,
             "quality_rounds": args.rounds,
+            "router_via_envoy": args.router_via_envoy,
             "quality_workload": sizes,
         },
         "overhead": over,
@@ -613,7 +623,14 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             f"a warm-up run per front end, then {args.rounds} paired rounds: each round runs "
             "the workload through both front ends, in a new random order, each run with "
             "prompts of its own (a seed per run: no run finds another's prefixes cached), so a "
-            "round compares the two on the same machine moment. A round's ratio is Envoy + EPP "
+            "round compares the two on the same machine moment. "
+            + (
+                "The HTTP router's runs go through the same Envoy (its listener without "
+                "ext_proc): both front ends pay Envoy's hop. "
+                if args.router_via_envoy
+                else ""
+            )
+            + "A round's ratio is Envoy + EPP "
             "over the HTTP router; their geometric mean and its 95% t-interval (on the logs) "
             "say whether the two differ by more than 5% (`within`: the whole interval inside "
             "0.95-1.05; "
@@ -675,6 +692,12 @@ def main() -> None:
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true", help="routing quality only")
     ap.add_argument("--quality-logs", default=None, help="keep the quality cluster's logs here")
+    ap.add_argument(
+        "--router-via-envoy",
+        action="store_true",
+        help="routing quality: the HTTP router's runs through the same Envoy too (its listener "
+        "without ext_proc), so both front ends pay Envoy's hop",
+    )
     ap.add_argument(
         "--pin",
         action=argparse.BooleanOptionalAction,
