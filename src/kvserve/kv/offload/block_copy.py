@@ -147,23 +147,44 @@ def split_segments(segments: list[Segment], parts: int) -> list[list[Segment]]:
     return out
 
 
-def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(src_start, dst_start, length)`` runs covering the pairs, in destination order
-    (vectorised: a batch has thousands of pairs)."""
+def run_array(src_ids: Sequence[int], dst_ids: Sequence[int]) -> np.ndarray:
+    """``[n, 3]`` int64 (src_start, dst_start, length) runs covering the pairs, in destination
+    order; no Python per pair or per run (a batch has thousands of pairs)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError("src_ids and dst_ids differ in length")
     if not len(dst_ids):
-        return []
+        return np.empty((0, 3), dtype=np.int64)
     d = np.asarray(dst_ids, dtype=np.int64)
-    order = np.argsort(d, kind="stable")
-    d = d[order]
-    s = np.asarray(src_ids, dtype=np.int64)[order]
-    dd, ds = np.diff(d), np.diff(s)
-    if (dd == 0).any():
-        raise ValueError(f"destination block {int(d[1:][dd == 0][0])} appears twice")
-    starts = np.concatenate(([0], np.flatnonzero((dd != 1) | (ds != 1)) + 1))
-    lengths = np.diff(np.append(starts, len(d)))
-    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
+    s = np.asarray(src_ids, dtype=np.int64)
+    dd = np.diff(d)
+    if (dd <= 0).any():  # not already in destination order (a store's slots usually are)
+        order = np.argsort(d, kind="stable")
+        d, s = d[order], s[order]
+        dd = np.diff(d)
+        if (dd == 0).any():
+            raise ValueError(f"destination block {int(d[1:][dd == 0][0])} appears twice")
+    breaks = np.flatnonzero((dd != 1) | (np.diff(s) != 1)) + 1
+    starts = np.empty(len(breaks) + 1, dtype=np.int64)
+    starts[0], starts[1:] = 0, breaks
+    runs = np.empty((len(starts), 3), dtype=np.int64)
+    runs[:, 0], runs[:, 1] = s[starts], d[starts]
+    runs[:-1, 2] = np.diff(starts)
+    runs[-1, 2] = len(d) - starts[-1]
+    return runs
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """:func:`run_array` as a list of ``(src_start, dst_start, length)`` tuples."""
+    return [tuple(r) for r in run_array(src_ids, dst_ids).tolist()]
+
+
+def _check_runs(runs: np.ndarray, n_src: int, n_dst: int) -> None:
+    """Every run within both tensors (numpy and torch would silently shorten a slice)."""
+    bad = (runs[:, :2] < 0).any(axis=1) | (runs[:, 0] + runs[:, 2] > n_src)
+    bad |= runs[:, 1] + runs[:, 2] > n_dst
+    if bad.any():
+        s, d, n = runs[int(np.flatnonzero(bad)[0])].tolist()
+        raise IndexError(f"block run {s}->{d} (x{n}) out of range ({n_src} -> {n_dst})")
 
 
 def copy_blocks(
@@ -184,15 +205,11 @@ def copy_blocks(
     ``alongside``: run on the calling thread during the copy (before it, without threads).
     ``between_pieces`` (one thread, host to host): called before each piece of at most
     ``piece_bytes`` (a store pauses there while a forward pass runs)."""
-    runs = block_runs(src_ids, dst_ids)
-    n_src, n_dst = src.shape[0], dst.shape[0]
-    for s, d, n in runs:  # numpy and torch would silently shorten an out-of-range slice
-        if s < 0 or d < 0 or s + n > n_src or d + n > n_dst:
-            raise IndexError(f"block run {s}->{d} (x{n}) out of range ({n_src} -> {n_dst})")
+    runs = run_array(src_ids, dst_ids)
+    _check_runs(runs, src.shape[0], dst.shape[0])
     if src.device.type == "cpu" and dst.device.type == "cpu":
         s_np, d_np = as_byte_rows(src), as_byte_rows(dst)
-        row = s_np.shape[1]
-        segments = [(s * row, d * row, n * row) for s, d, n in runs]
+        segments = [tuple(r) for r in (runs * s_np.shape[1]).tolist()]
         flat_src, flat_dst = s_np.reshape(-1), d_np.reshape(-1)
         if between_pieces is not None and piece_bytes > 0:
             total = sum(n for _, _, n in segments)
@@ -208,7 +225,7 @@ def copy_blocks(
     else:
         if alongside is not None:
             alongside()
-        for s, d, n in runs:
+        for s, d, n in runs.tolist():
             dst[d : d + n].copy_(src[s : s + n], non_blocking=non_blocking)
     return len(src_ids) * src[0].numel() * src.element_size()
 
@@ -219,13 +236,10 @@ def host_segments(
     """Flat byte views of two host block tensors and the ``[n, 3]`` int64 (source offset,
     destination offset, length) segments that copy ``src[src_ids[i]]`` to ``dst[dst_ids[i]]``
     (one per run, bounds-checked)."""
-    runs = block_runs(src_ids, dst_ids)
-    for s, d, n in runs:
-        if s < 0 or d < 0 or s + n > src.shape[0] or d + n > dst.shape[0]:
-            raise IndexError(f"block run {s}->{d} (x{n}) out of range")
+    runs = run_array(src_ids, dst_ids)
+    _check_runs(runs, src.shape[0], dst.shape[0])
     s_np, d_np = as_byte_rows(src), as_byte_rows(dst)
-    segments = np.asarray(runs, dtype=np.int64).reshape(-1, 3) * s_np.shape[1]
-    return s_np.reshape(-1), d_np.reshape(-1), segments
+    return s_np.reshape(-1), d_np.reshape(-1), runs * s_np.shape[1]
 
 
 class ForwardGate:
