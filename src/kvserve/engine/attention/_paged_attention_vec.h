@@ -308,6 +308,35 @@ PA_INLINE __m512 hsum16(const __m512 *a)
     return _mm512_permutexvar_ps(idx, e);
 }
 
+/* A 16 x 16 block of 32-bit elements transposed in registers (row i in r[i] before, column i
+ * after): 64 shuffles instead of 256 strided scalar loads and stores. */
+PA_INLINE void transpose16(__m512 r[16])
+{
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) { /* per 128-bit lane: (a0 b0 a1 b1), (a2 b2 a3 b3) */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + c], 128-bit lane k: column 4k + c of rows 4i.. */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) { /* column 4k + c: lane k of r[c], r[4 + c], r[8 + c], ... */
+        const __m512 u0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        const __m512 u1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        const __m512 w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(u0, w0, 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(u1, w1, 0x88);
+        t[8 + c] = _mm512_shuffle_f32x4(u0, w0, 0xDD);
+        t[12 + c] = _mm512_shuffle_f32x4(u1, w1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++)
+        r[i] = t[i];
+}
+
 /* s[0:n) (rounded up to 16, within the chunk) = scale * q.k[t] for one raw bf16 query row. */
 PA_INLINE void scores_bf(const bf_t *restrict q, const bf_t *const *kp, int64_t n,
                          float *restrict s, const int NB, float scale)
@@ -446,27 +475,70 @@ PA_INLINE void scores_tr_bf(const uint32_t *restrict Qt2, const bf_t *const *kp,
             _mm512_storeu_ps(St + tb * TILE_ROWS + 16 * v, _mm512_mul_ps(s[tb][v], sc));
 }
 
+/* The online-softmax step of a tile (tile_softmax) for the bf16 tile path, with P's rounding
+ * in the same pass: per 16-row vector, the causal mask and the max over the chunk's scores (a
+ * column of St, in L1), then the exps, summed in fp32 and written straight as bf16 pairs of
+ * consecutive tokens (Pp: [CHUNK / 2][TILE_ROWS], an odd last token paired with zero), what
+ * pv_tr_bf multiplies: no fp32 probabilities written back and read again, no separate mask and
+ * rounding passes. Lanes past M (zero queries) are not masked; their results are never read. */
+PA_INLINE void tile_softmax_bf(const float *restrict St, float *mx, float *sum, float *alpha,
+                               const int64_t *nv, int64_t M, int64_t n, const int MV,
+                               uint32_t *restrict Pp)
+{
+    for (int v = 0; v < MV; v++) {
+        int32_t lim[16]; /* keys [0, lim) of each lane's row in this chunk */
+        for (int l = 0; l < 16; l++) {
+            const int64_t m = 16 * v + l;
+            lim[l] = m < M ? (int32_t)(nv[m] < 0 ? 0 : nv[m]) : (int32_t)n;
+        }
+        const __m512i vlim = _mm512_loadu_si512(lim);
+        const __m512 old = _mm512_loadu_ps(mx + 16 * v);
+        __m512 cmax = old;
+        for (int64_t u = 0; u < n; u++) {
+            const __mmask16 ok = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)u));
+            cmax = _mm512_mask_max_ps(cmax, ok, cmax,
+                                      _mm512_loadu_ps(St + u * TILE_ROWS + 16 * v));
+        }
+        const __m512 al = exp_neg16(_mm512_sub_ps(old, cmax));
+        __m512 psum = _mm512_setzero_ps();
+        for (int64_t u = 0; u < n; u += 2) {
+            const __mmask16 ok0 = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)u));
+            const __m512 e0 = _mm512_maskz_mov_ps(
+                ok0, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(St + u * TILE_ROWS + 16 * v), cmax)));
+            psum = _mm512_add_ps(psum, e0);
+            __m512 e1 = _mm512_setzero_ps();
+            if (u + 1 < n) {
+                const __mmask16 ok1 =
+                    _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)u + 1));
+                e1 = _mm512_maskz_mov_ps(
+                    ok1, exp_neg16(_mm512_sub_ps(
+                             _mm512_loadu_ps(St + (u + 1) * TILE_ROWS + 16 * v), cmax)));
+                psum = _mm512_add_ps(psum, e1);
+            }
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+            _mm512_storeu_si512(Pp + u / 2 * TILE_ROWS + 16 * v,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        _mm512_storeu_ps(alpha + 16 * v, al);
+        _mm512_storeu_ps(mx + 16 * v, cmax);
+        _mm512_storeu_ps(sum + 16 * v,
+                         _mm512_fmadd_ps(_mm512_loadu_ps(sum + 16 * v), al, psum));
+    }
+}
+
 /* A tile's P.V with its rows in the lanes (accT: [D][TILE_ROWS], rows m in lane m): accT[j] =
  * accT[j] * alpha + sum_t P[t] V[t][j], two tokens per `vdpbf16ps`: P rounded to bf16 (as
  * torch's bf16 SDPA rounds its probabilities before P.V) and paired with the next token's in
- * each lane (Pp), V elements paired likewise (Vp, broadcast). An odd last token pairs with
- * zeros. Pp: [CHUNK / 2][TILE_ROWS], Vp: [CHUNK / 2][D] scratch. */
-PA_INLINE void pv_tr_bf(float *restrict accT, const float *restrict St, const float *alpha,
-                        const bf_t *const *vp, int64_t n, const int MV, const int D,
-                        uint32_t *restrict Pp, uint32_t *restrict Vp)
+ * each lane (Pp, from tile_softmax_bf), V elements paired likewise (Vp, broadcast). An odd
+ * last token pairs with zeros. Vp: [CHUNK / 2][D] scratch. */
+PA_INLINE void pv_tr_bf(float *restrict accT, const float *alpha, const bf_t *const *vp,
+                        int64_t n, const int MV, const int D, const uint32_t *restrict Pp,
+                        uint32_t *restrict Vp)
 {
     const int64_t np = (n + 1) / 2;
     for (int64_t u = 0; u < np; u++) {
         const int two = 2 * u + 1 < n;
-        for (int v = 0; v < MV; v++) {
-            const __m512 p0 = _mm512_loadu_ps(St + 2 * u * TILE_ROWS + 16 * v);
-            const __m512 p1 =
-                two ? _mm512_loadu_ps(St + (2 * u + 1) * TILE_ROWS + 16 * v) : _mm512_setzero_ps();
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p0));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p1));
-            _mm512_storeu_si512(Pp + u * TILE_ROWS + 16 * v,
-                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
         for (int j = 0; j < D; j += 16) {
             const __m512i lo =
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vp[2 * u] + j)));
@@ -525,8 +597,7 @@ PA_INLINE void tile_bf(const uint32_t *restrict Qt2, float *restrict accT, float
         PA_SCORES(4)
 #undef PA_SCORES
     }
-    float alpha[TILE_ROWS] = {0}; /* lanes past M: 0 (their accumulators are never read) */
-    tile_softmax(St, mx, sum, alpha, nv, M, n);
+    float alpha[TILE_ROWS];
     for (int64_t t = 0; t < n_pf; t++) /* the next chunk, as the widening loop would */
         for (int j = 0; j < D * 2; j += 64) {
             __builtin_prefetch(pf[t] + j);
@@ -535,7 +606,8 @@ PA_INLINE void tile_bf(const uint32_t *restrict Qt2, float *restrict accT, float
     switch ((M + VW - 1) / VW) {
 #define PA_PV(mv)                                                                             \
     case mv:                                                                                  \
-        pv_tr_bf(accT, St, alpha, vp, n, mv, D, Pp, Vp);                                      \
+        tile_softmax_bf(St, mx, sum, alpha, nv, M, n, mv, Pp);                                \
+        pv_tr_bf(accT, alpha, vp, n, mv, D, Pp, Vp);                                          \
         break;
         PA_PV(1)
         PA_PV(2)
@@ -600,10 +672,17 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     const float *kp[CHUNK], *vp[CHUNK];
     int64_t nv[TILE_ROWS];
 
+#if PA_BF16
+    const int bfp = vec && elem == 2; /* bf16 rows used as stored (rows_bf, tile_bf) */
+#else
+    const int bfp = 0;
+#endif
     for (int64_t m = 0; m < rows; m++) {
         const int64_t i = m % M, tok = q_start + it->q0 + i / G;
         const int64_t head = (it->h0 + m / M) * G + i % G;
-        load_row(Q + m * D, a->q + (tok * a->q_st + head * a->q_sh) * elem, D, elem, a->scale);
+        if (!bfp) /* fp32 queries, scaled (the bf16 paths read them as stored) */
+            load_row(Q + m * D, a->q + (tok * a->q_st + head * a->q_sh) * elem, D, elem,
+                     a->scale);
         for (int64_t j = 0; j < D; j++)
             acc[m * D + j] = 0.0f;
         mx[m] = -INFINITY; /* the first chunk's alpha is exp(-inf) = 0 */
@@ -614,7 +693,6 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
         sum[m] = 0.0f;
     }
 #if PA_BF16
-    const int bfp = vec && elem == 2; /* bf16 rows used as stored (rows_bf, tile_bf) */
     const char *q0 = a->q + (q_start + it->q0) * a->q_st * elem; /* the tile's first query */
 #define PA_QROW(m) /* raw bf16 query of row m */                                             \
     ((const bf_t *)(q0 + (((m) % M) / G * a->q_st +                                          \
@@ -622,16 +700,17 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     if (transposed && bfp) {
         for (int64_t j = 0; j < D * TILE_ROWS; j++) /* accT (tile_bf) */
             acc[j] = 0.0f;
-        uint32_t *restrict Qt2 = (uint32_t *)Qt;
-        const bf_t *qr[TILE_ROWS];
-        for (int64_t m = 0; m < M; m++)
-            qr[m] = PA_QROW(m);
-        for (int64_t i = 0; i < D / 2; i++)
-            for (int64_t m = 0; m < TILE_ROWS; m++) {
-                uint32_t pair = 0;
-                if (m < M)
-                    memcpy(&pair, qr[m] + 2 * i, 4);
-                Qt2[i * TILE_ROWS + m] = pair;
+        /* Qt2[i][m]: pair i of row m's query (zeros past M), 16 x 16 blocks transposed. */
+        float *restrict Qt2 = Qt;
+        for (int64_t m0 = 0; m0 < TILE_ROWS; m0 += 16)
+            for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {
+                __m512 r[16];
+                for (int64_t l = 0; l < 16; l++)
+                    r[l] = m0 + l < M ? _mm512_loadu_ps(PA_QROW(m0 + l) + 2 * i0)
+                                      : _mm512_setzero_ps();
+                transpose16(r);
+                for (int64_t l = 0; l < 16; l++)
+                    _mm512_storeu_ps(Qt2 + (i0 + l) * TILE_ROWS + m0, r[l]);
             }
     } else
 #endif
@@ -673,9 +752,10 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
             }
         }
         /* Causal: the query at position first_pos + i / G sees keys up to itself. */
-        for (int64_t i = 0; i < M; i++) {
-            const int64_t lim = first_pos + i / G - p0 + 1;
-            nv[i] = lim < n ? lim : n;
+        for (int64_t qi = 0, i = 0; qi < it->qn; qi++) { /* rows: query-major */
+            const int64_t lim = first_pos + qi - p0 + 1;
+            for (int64_t g = 0; g < G; g++)
+                nv[i++] = lim < n ? lim : n;
         }
         for (int64_t hh = 0; hh < nh; hh++) {
             const int64_t hoff = hh * a->c_head * elem;
@@ -735,9 +815,15 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
     }
 #if PA_BF16
     if (transposed && bfp) { /* accT back to rows (through Qt, no longer needed) */
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < D; j++)
-                Qt[m * D + j] = acc[j * TILE_ROWS + m];
+        for (int64_t m0 = 0; m0 < M; m0 += 16)
+            for (int64_t j0 = 0; j0 < D; j0 += 16) {
+                __m512 r[16];
+                for (int64_t l = 0; l < 16; l++)
+                    r[l] = _mm512_loadu_ps(acc + (j0 + l) * TILE_ROWS + m0);
+                transpose16(r);
+                for (int64_t l = 0; l < 16; l++)
+                    _mm512_storeu_ps(Qt + (m0 + l) * D + j0, r[l]);
+            }
         memcpy(acc, Qt, (size_t)(M * D) * sizeof(float));
     }
 #endif
