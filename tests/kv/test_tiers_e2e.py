@@ -17,6 +17,15 @@ from kvserve import LLM
 from tests.kv.test_offload_e2e import assert_idle, make_llm, rand_prompt, ref_tokens, run
 
 
+def tier_llm(model_dir, num_kv_blocks: int, **kw) -> LLM:
+    """``make_llm`` with the tier writer process at normal CPU priority: on a CI machine whose
+    cores other jobs keep busy, a ``SCHED_IDLE`` writer (the default) can get no CPU for longer
+    than ``run``'s step bound waits for the cascade (the policy is tested on its own:
+    test_storage_worker, test_storage_writer)."""
+    kw.setdefault("kv_tier_write_policy", "normal")
+    return make_llm(model_dir, num_kv_blocks, **kw)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir) -> LLM:
     llm = LLM(model=str(tiny_model_dir), num_kv_blocks=1024, enable_prefix_caching=False)
@@ -39,7 +48,7 @@ def test_cross_instance_through_shared_fs(tiny_model_dir, reference, tmp_path) -
     a = rand_prompt(rng, 200)
     b = a + rand_prompt(rng, 7)
     tier = [f"fs:path={tmp_path / 'shared'},size=0.05"]
-    inst_a = make_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
+    inst_a = tier_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
     try:
         (oa,) = run(inst_a, [a], 4)
         written = only_tier(inst_a)["written"]
@@ -49,7 +58,7 @@ def test_cross_instance_through_shared_fs(tiny_model_dir, reference, tmp_path) -
         assert stored and all(e.tier == only_tier_id(inst_a) and e.shared for e in stored)
     finally:
         inst_a.shutdown()
-    inst_b = make_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
+    inst_b = tier_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
     try:
         (ob,) = run(inst_b, [b], 4)
         assert ob.metrics.num_cached_tokens == 0  # B never saw it
@@ -88,7 +97,7 @@ def test_corrupt_shared_chunks_are_recomputed(tiny_model_dir, reference, tmp_pat
     b = a + rand_prompt(rng, 5)
     root = tmp_path / "shared"
     tier = [f"fs:path={root},size=0.05"]
-    inst_a = make_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
+    inst_a = tier_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
     try:
         run(inst_a, [a], 2)
     finally:
@@ -100,7 +109,7 @@ def test_corrupt_shared_chunks_are_recomputed(tiny_model_dir, reference, tmp_pat
         data = bytearray(f.read_bytes())
         data[-100] ^= 0x10
         f.write_bytes(bytes(data))
-    inst_b = make_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
+    inst_b = tier_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
     try:
         (ob,) = run(inst_b, [b], 4)
         assert ob.outputs[0].token_ids == ref_tokens(reference, [b], 4)[0]
@@ -121,7 +130,7 @@ def test_disk_tier_below_a_small_host_tier(tiny_model_dir, reference, tmp_path) 
     chunk_bytes = llm0.engine.runner.kv_block_bytes()  # 16-token chunks = one block
     llm0.shutdown()
     host_gib = 24 * chunk_bytes / (1 << 30)  # 24 chunks of host memory
-    llm = make_llm(
+    llm = tier_llm(
         tiny_model_dir,
         num_kv_blocks=32,
         kv_offload_size=host_gib,
@@ -152,13 +161,13 @@ def test_cross_instance_through_redis(tiny_model_dir, reference, redis_server) -
     a = rand_prompt(rng, 130)
     b = a + rand_prompt(rng, 6)
     tier = [f"redis:url={redis_server.url}"]
-    inst_a = make_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
+    inst_a = tier_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
     try:
         (oa,) = run(inst_a, [a], 3)
         assert only_tier(inst_a)["written"] >= 8
     finally:
         inst_a.shutdown()
-    inst_b = make_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
+    inst_b = tier_llm(tiny_model_dir, num_kv_blocks=64, kv_tier=tier)
     try:
         (ob,) = run(inst_b, [b], 3)
         assert ob.metrics.num_external_cached_tokens >= 128
@@ -176,7 +185,7 @@ def test_redis_faults_degrade_to_recompute(tiny_model_dir, reference, redis_serv
     rng = random.Random(15)
     srv = redis_server_factory()
     tier = [f"redis:url={srv.url},socket_timeout=0.5"]
-    llm = make_llm(tiny_model_dir, num_kv_blocks=32, kv_tier=tier, kv_tier_lookup_timeout=0.2)
+    llm = tier_llm(tiny_model_dir, num_kv_blocks=32, kv_tier=tier, kv_tier_lookup_timeout=0.2)
     try:
         base = rand_prompt(rng, 100)
         run(llm, [base], 2)

@@ -34,9 +34,11 @@ def gemma3(tmp_path_factory):
 
 
 def make_engine(model_dir: str, tier: str, seed: str = "kvserve") -> LLM:
+    # The writer at normal priority, as in test_tiers_e2e.tier_llm (a loaded CI machine).
     llm = LLM(model_dir, block_size=16, num_kv_blocks=400, max_num_batched_tokens=128,
               dtype="float32", debug=True, kv_offload_size=0.02, kv_offload_block_size=CHUNK,
-              kv_tier=[tier], prefix_hash_seed=seed, enable_kv_cache_events=True)  # fmt: skip
+              kv_tier=[tier], prefix_hash_seed=seed, enable_kv_cache_events=True,
+              kv_tier_write_policy="normal")  # fmt: skip
     assert llm.engine.kv_cache_manager.num_groups == GROUPS  # no fallback to one group
     return llm
 
@@ -140,9 +142,11 @@ def test_mistral_sliding_group_from_a_disk_tier(tmp_path):
     """A window in every layer (one sliding group) on a disk tier (lookups from its index in
     memory): only the window's chunk comes back from disk, output equals recompute."""
     d = str(make_model(tmp_path, "tiny-mistral-sw"))  # window 48, 4 layers
+    # The writer at normal priority, as in test_tiers_e2e.tier_llm (a loaded CI machine).
     llm = LLM(d, block_size=16, num_kv_blocks=400, kv_offload_size=0.02, dtype="float32",
               debug=True, max_num_batched_tokens=100, kv_offload_block_size=CHUNK,
-              kv_tier=[f"disk:path={tmp_path / 'disk'},size=0.05"])  # fmt: skip
+              kv_tier=[f"disk:path={tmp_path / 'disk'},size=0.05"],
+              kv_tier_write_policy="normal")  # fmt: skip
     try:
         kvm = llm.engine.kv_cache_manager
         assert kvm.num_groups == 1 and kvm.sliding_managers
