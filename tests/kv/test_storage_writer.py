@@ -133,6 +133,19 @@ def test_chunks_written_by_the_process_read_back_verified(
         assert [bytes(host.slots_u8[s].numpy()) for s in dest] == expected
 
 
+def test_the_writer_process_runs_under_sched_idle(process_worker, host: CpuBackend) -> None:
+    """Every thread of the writer process (its loop, write threads, the fs tier's sweeper) runs
+    on cores the engine leaves idle, by default."""
+    worker = process_worker()
+    keys = fill(host, [0, 1], seed=4)
+    assert worker.write(keys, [memoryview(host.slots_u8[s].numpy()) for s in (0, 1)])
+    wait_results(worker, 1)  # its write threads started
+    pid = worker.writer.pid
+    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    assert len(tids) >= 3  # main loop, a write thread, the fs sweeper
+    assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE}
+
+
 def test_a_payload_outside_host_memory_is_refused(process_worker) -> None:
     """The writer reads chunks from the host tier's shared memory only: other memory is a
     caller's bug, refused without leaving the write queue counted full."""
