@@ -388,11 +388,11 @@ PA_INLINE void pv_rows_bf(float *restrict acc, const float *restrict P, int64_t 
             vstore(acc + r * D + VW * j, o[r][j]);
 }
 
-/* exp_neg on 16 lanes (the same polynomial; -inf lanes give 0). */
+/* exp_neg on 16 lanes (the same polynomial; lanes below -87, -inf among them, give 0): the
+ * power of two applied by `vscalefps` (exact, as the multiply by a built 2^n is). */
 PA_INLINE __m512 exp_neg16(__m512 x)
 {
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
     const __m512 big = _mm512_set1_ps(12582912.0f);
     const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big),
                                    big); /* round(x / ln 2) */
@@ -405,9 +405,7 @@ PA_INLINE __m512 exp_neg16(__m512 x)
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
     y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i bits =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~tiny, y, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
 /* softmax_step for n <= 16 scores, in one vector: no scalar tail, tree reductions (the loop
@@ -476,54 +474,67 @@ PA_INLINE void scores_tr_bf(const uint32_t *restrict Qt2, const bf_t *const *kp,
 }
 
 /* The online-softmax step of a tile (tile_softmax) for the bf16 tile path, with P's rounding
- * in the same pass: per 16-row vector, the causal mask and the max over the chunk's scores (a
- * column of St, in L1), then the exps, summed in fp32 and written straight as bf16 pairs of
- * consecutive tokens (Pp: [CHUNK / 2][TILE_ROWS], an odd last token paired with zero), what
- * pv_tr_bf multiplies: no fp32 probabilities written back and read again, no separate mask and
- * rounding passes. Lanes past M (zero queries) are not masked; their results are never read. */
+ * in the same pass: the max over the chunk's scores (St, in L1), then the exps, summed in fp32
+ * and written straight as bf16 pairs of consecutive tokens (Pp: [CHUNK / 2][TILE_ROWS], an
+ * odd last token paired with zero), what pv_tr_bf multiplies: no fp32 probabilities written
+ * back and read again. The 16-row vectors go side by side (independent max and sum chains);
+ * the causal mask only where a row sees part of the chunk (the diagonal chunk). Lanes past M
+ * (zero queries) are not masked; their results are never read. */
 PA_INLINE void tile_softmax_bf(const float *restrict St, float *mx, float *sum, float *alpha,
                                const int64_t *nv, int64_t M, int64_t n, const int MV,
                                uint32_t *restrict Pp)
 {
+    __m512i vlim[V_MV];
+    __m512 old[V_MV], cmax[V_MV], psum[V_MV];
+    int full = 1; /* every row sees the whole chunk */
     for (int v = 0; v < MV; v++) {
         int32_t lim[16]; /* keys [0, lim) of each lane's row in this chunk */
         for (int l = 0; l < 16; l++) {
             const int64_t m = 16 * v + l;
             lim[l] = m < M ? (int32_t)(nv[m] < 0 ? 0 : nv[m]) : (int32_t)n;
+            full &= lim[l] == n;
         }
-        const __m512i vlim = _mm512_loadu_si512(lim);
-        const __m512 old = _mm512_loadu_ps(mx + 16 * v);
-        __m512 cmax = old;
-        for (int64_t u = 0; u < n; u++) {
-            const __mmask16 ok = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)u));
-            cmax = _mm512_mask_max_ps(cmax, ok, cmax,
-                                      _mm512_loadu_ps(St + u * TILE_ROWS + 16 * v));
+        vlim[v] = _mm512_loadu_si512(lim);
+        old[v] = cmax[v] = _mm512_loadu_ps(mx + 16 * v);
+        psum[v] = _mm512_setzero_ps();
+    }
+    for (int64_t u = 0; u < n; u++) {
+        const __m512i idx = _mm512_set1_epi32((int)u);
+        for (int v = 0; v < MV; v++) {
+            const __m512 x = _mm512_loadu_ps(St + u * TILE_ROWS + 16 * v);
+            cmax[v] = full ? _mm512_max_ps(cmax[v], x)
+                           : _mm512_mask_max_ps(cmax[v], _mm512_cmpgt_epi32_mask(vlim[v], idx),
+                                                cmax[v], x);
         }
-        const __m512 al = exp_neg16(_mm512_sub_ps(old, cmax));
-        __m512 psum = _mm512_setzero_ps();
-        for (int64_t u = 0; u < n; u += 2) {
-            const __mmask16 ok0 = _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)u));
-            const __m512 e0 = _mm512_maskz_mov_ps(
-                ok0, exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(St + u * TILE_ROWS + 16 * v), cmax)));
-            psum = _mm512_add_ps(psum, e0);
+    }
+    /* word 2l of a pair vector: token u's P of lane l; word 2l + 1: token u + 1's */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
+    for (int64_t u = 0; u < n; u += 2) {
+        const __m512i i0 = _mm512_set1_epi32((int)u), i1 = _mm512_set1_epi32((int)u + 1);
+        for (int v = 0; v < MV; v++) {
+            const float *x = St + u * TILE_ROWS + 16 * v;
+            __m512 e0 = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(x), cmax[v]));
             __m512 e1 = _mm512_setzero_ps();
-            if (u + 1 < n) {
-                const __mmask16 ok1 =
-                    _mm512_cmpgt_epi32_mask(vlim, _mm512_set1_epi32((int)u + 1));
-                e1 = _mm512_maskz_mov_ps(
-                    ok1, exp_neg16(_mm512_sub_ps(
-                             _mm512_loadu_ps(St + (u + 1) * TILE_ROWS + 16 * v), cmax)));
-                psum = _mm512_add_ps(psum, e1);
+            if (u + 1 < n)
+                e1 = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(x + TILE_ROWS), cmax[v]));
+            if (!full) {
+                e0 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(vlim[v], i0), e0);
+                e1 = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(vlim[v], i1), e1);
             }
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+            psum[v] = _mm512_add_ps(_mm512_add_ps(psum[v], e0), e1);
             _mm512_storeu_si512(Pp + u / 2 * TILE_ROWS + 16 * v,
-                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                                _mm512_permutexvar_epi16(
+                                    inter, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
         }
+    }
+    for (int v = 0; v < MV; v++) {
+        const __m512 al = exp_neg16(_mm512_sub_ps(old[v], cmax[v]));
         _mm512_storeu_ps(alpha + 16 * v, al);
-        _mm512_storeu_ps(mx + 16 * v, cmax);
-        _mm512_storeu_ps(sum + 16 * v,
-                         _mm512_fmadd_ps(_mm512_loadu_ps(sum + 16 * v), al, psum));
+        _mm512_storeu_ps(mx + 16 * v, cmax[v]);
+        _mm512_storeu_ps(sum + 16 * v, _mm512_fmadd_ps(_mm512_loadu_ps(sum + 16 * v), al,
+                                                       psum[v]));
     }
 }
 
@@ -702,11 +713,15 @@ PA_INLINE void attend_d(const pa_args *a, const pa_item *it, float *ws, const in
             acc[j] = 0.0f;
         /* Qt2[i][m]: pair i of row m's query (zeros past M), 16 x 16 blocks transposed. */
         float *restrict Qt2 = Qt;
+        const bf_t *qr[TILE_ROWS];
+        for (int64_t qi = 0, m = 0; qi < it->qn; qi++) /* rows: query-major */
+            for (int64_t g = 0; g < G; g++)
+                qr[m++] = (const bf_t *)(q0 + (qi * a->q_st + (it->h0 * G + g) * a->q_sh) * 2);
         for (int64_t m0 = 0; m0 < TILE_ROWS; m0 += 16)
             for (int64_t i0 = 0; i0 < D / 2; i0 += 16) {
                 __m512 r[16];
                 for (int64_t l = 0; l < 16; l++)
-                    r[l] = m0 + l < M ? _mm512_loadu_ps(PA_QROW(m0 + l) + 2 * i0)
+                    r[l] = m0 + l < M ? _mm512_loadu_ps(qr[m0 + l] + 2 * i0)
                                       : _mm512_setzero_ps();
                 transpose16(r);
                 for (int64_t l = 0; l < 16; l++)
