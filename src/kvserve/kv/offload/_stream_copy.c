@@ -79,6 +79,28 @@ static void stream_copy(char *dst, const char *src, size_t n)
 #endif
 }
 
+/* The number of (src, dst, length) triples in ``seg``, each within ``src`` and ``dst``; -1 with
+ * an exception set when one is not (checked before anything is copied). */
+static Py_ssize_t checked_segments(Py_buffer *seg, Py_buffer *src, Py_buffer *dst)
+{
+    if (seg->len % (3 * (Py_ssize_t)sizeof(int64_t))) {
+        PyErr_SetString(PyExc_ValueError, "segments must be int64 (src, dst, length) triples");
+        return -1;
+    }
+    const int64_t *s = (const int64_t *)seg->buf;
+    Py_ssize_t n = seg->len / (3 * (Py_ssize_t)sizeof(int64_t));
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t so = s[3 * k], d = s[3 * k + 1], len = s[3 * k + 2];
+        if (so < 0 || d < 0 || len < 0 || so > src->len - len || d > dst->len - len) {
+            PyErr_Format(PyExc_IndexError,
+                         "segment %zd (%lld -> %lld, %lld bytes) out of range (%zd -> %zd)", k,
+                         (long long)so, (long long)d, (long long)len, src->len, dst->len);
+            return -1;
+        }
+    }
+    return n;
+}
+
 static PyObject *copy_segments(PyObject *Py_UNUSED(module), PyObject *args)
 {
     Py_buffer src, dst, seg, cur = {0};
@@ -95,21 +117,10 @@ static PyObject *copy_segments(PyObject *Py_UNUSED(module), PyObject *args)
             goto done;
         }
     }
-    if (seg.len % (3 * (Py_ssize_t)sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "segments must be int64 (src, dst, length) triples");
-        goto done;
-    }
     const int64_t *s = (const int64_t *)seg.buf;
-    Py_ssize_t n = seg.len / (3 * (Py_ssize_t)sizeof(int64_t));
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t so = s[3 * k], d = s[3 * k + 1], len = s[3 * k + 2];
-        if (so < 0 || d < 0 || len < 0 || so > src.len - len || d > dst.len - len) {
-            PyErr_Format(PyExc_IndexError,
-                         "segment %zd (%lld -> %lld, %lld bytes) out of range (%zd -> %zd)", k,
-                         (long long)so, (long long)d, (long long)len, src.len, dst.len);
-            goto done;
-        }
-    }
+    Py_ssize_t n = checked_segments(&seg, &src, &dst);
+    if (n < 0)
+        goto done;
     int64_t *next = cur.buf; /* shared by the threads copying one batch: claim, then copy */
     Py_BEGIN_ALLOW_THREADS
     int streamed = 0;
@@ -267,21 +278,10 @@ static PyObject *copy_gated(PyObject *Py_UNUSED(module), PyObject *args)
         PyErr_SetString(PyExc_ValueError, "piece must be > 0 and start >= 0");
         goto done;
     }
-    if (seg.len % (3 * (Py_ssize_t)sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "segments must be int64 (src, dst, length) triples");
-        goto done;
-    }
     const int64_t *s = (const int64_t *)seg.buf;
-    Py_ssize_t n = seg.len / (3 * (Py_ssize_t)sizeof(int64_t));
-    for (Py_ssize_t k = 0; k < n; k++) {
-        int64_t so = s[3 * k], d = s[3 * k + 1], len = s[3 * k + 2];
-        if (so < 0 || d < 0 || len < 0 || so > src.len - len || d > dst.len - len) {
-            PyErr_Format(PyExc_IndexError,
-                         "segment %zd (%lld -> %lld, %lld bytes) out of range (%zd -> %zd)", k,
-                         (long long)so, (long long)d, (long long)len, src.len, dst.len);
-            goto done;
-        }
-    }
+    Py_ssize_t n = checked_segments(&seg, &src, &dst);
+    if (n < 0)
+        goto done;
     int64_t done_bytes = 0, in_forward_ns = 0; /* bytes before segment k; CPU ns in forwards */
     int64_t pos = start;                       /* next byte of the concatenated segments */
     Py_ssize_t k = 0;
