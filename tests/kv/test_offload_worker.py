@@ -282,12 +282,21 @@ def test_store_whose_copy_went_wrong_fails_the_load(monkeypatch) -> None:
     def drops_last_segment_block(src, dst, src_ids, dst_ids):  # the natively gated store
         return real_segments(src, dst, src_ids[:-1], dst_ids[:-1])
 
+    real_plan = worker_module.plan_store
+
+    def plan_drops_last_block(pool, block_bytes, *args):  # ... of whole chunks
+        segments, sums = real_plan(pool, block_bytes, *args)
+        segments = segments.copy()
+        segments[-1, 2] -= block_bytes
+        return segments, sums
+
     kv = kv_cache(6)
     tier = tier_for(kv, 2, slots=4)
     worker = make_transfer_worker(kv, tier)
     try:
         monkeypatch.setattr(worker_module, "copy_blocks", drops_last_block)
         monkeypatch.setattr(worker_module, "host_segments", drops_last_segment_block)
+        monkeypatch.setattr(worker_module, "plan_store", plan_drops_last_block)
         worker.submit(TransferJob(1, True, [ChunkCopy(1, b"k", [3, 4])]))
         (res,) = wait_results(worker, 1)
         assert res.ok  # the store cannot tell

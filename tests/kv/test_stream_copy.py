@@ -222,3 +222,45 @@ def test_gated_copy_checks_every_segment_before_copying() -> None:
     assert not dst.any()
     with pytest.raises(ValueError, match="gate"):
         gated(src, dst, [(0, 0, 10)], np.zeros(4, np.int32))
+
+
+@needs_native
+@settings(max_examples=80, deadline=None)
+@given(
+    k=st.integers(1, 4),
+    block_words=st.sampled_from([2, 8, 40, 512]),
+    data=st.data(),
+)
+def test_plan_store_matches_segments_and_checksums(k, block_words, data) -> None:
+    """The native store plan: the same runs as host_segments and the same checksums as
+    block_checksums, for chunks in any slot order; bad slots and blocks are refused."""
+    from kvserve.kv.backends.checksum import block_checksums, sampled_words
+    from kvserve.kv.offload.block_copy import host_segments, plan_store
+
+    num_blocks, num_slots = 24, 10
+    pool = torch.from_numpy(
+        np.random.default_rng(block_words).integers(0, 2**62, (num_blocks, block_words))
+    )
+    tier = torch.zeros(num_slots * k, block_words, dtype=torch.int64)
+    n = data.draw(st.integers(0, num_slots))
+    slots = data.draw(st.permutations(range(num_slots)))[:n]
+    src = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=n * k, max_size=n * k))
+    bb = block_words * 8
+    pool_u8 = pool.view(torch.uint8).reshape(num_blocks, bb)
+    sampled = sampled_words(bb * k, k)
+    segments, sums = plan_store(pool_u8.numpy().reshape(-1), bb, k, num_slots * k, src, slots,
+                                sampled)  # fmt: skip
+    dst = [s * k + j for s in slots for j in range(k)]
+    assert segments.tolist() == host_segments(pool, tier, src, dst)[2].tolist()
+    chunk_ids = [src[c * k : (c + 1) * k] for c in range(n)]
+    assert sums == block_checksums(pool_u8, chunk_ids, k)
+    if n:
+        with pytest.raises(ValueError, match="twice"):
+            plan_store(pool_u8.numpy().reshape(-1), bb, k, num_slots * k, src + src[:k],
+                       slots + slots[:1], sampled)  # fmt: skip
+        with pytest.raises(IndexError):
+            plan_store(pool_u8.numpy().reshape(-1), bb, k, num_slots * k, src,
+                       [num_slots] + slots[1:], sampled)  # fmt: skip
+        with pytest.raises(IndexError):
+            plan_store(pool_u8.numpy().reshape(-1), bb, k, num_slots * k,
+                       [num_blocks] + src[1:], slots, sampled)  # fmt: skip

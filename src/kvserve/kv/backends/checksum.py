@@ -82,6 +82,13 @@ def _hash_sampled(words: np.ndarray, flat: np.ndarray) -> list[int]:
         return (sampled * _multipliers(flat.shape[1])).sum(axis=1, dtype=np.uint64).tolist()
 
 
+def sampled_words(chunk_bytes: int, blocks_per_chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """The int64 indices of a chunk's sampled words (the chunk seen as uint64) and their
+    uint64 multipliers: what a native hash of the same checksum needs (``_stream_copy``)."""
+    widx = np.ascontiguousarray(_word_index(chunk_bytes, blocks_per_chunk), dtype=np.int64)
+    return widx, np.ascontiguousarray(_multipliers(len(widx)))
+
+
 def chunk_checksum(chunk: torch.Tensor, blocks_per_chunk: int = 1) -> int:
     """Checksum of one contiguous host chunk (any shape)."""
     row = chunk.reshape(1, -1).view(torch.uint8).numpy()

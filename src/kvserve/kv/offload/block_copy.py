@@ -24,6 +24,7 @@ by piece while no forward pass runs, waiting on the gate natively, without the G
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from threading import Lock
@@ -299,7 +300,28 @@ class ForwardGate:
 
 
 # Whether stores can wait for the gaps natively (:class:`ForwardGate`).
-GATED = _native is not None and hasattr(_native, "copy_gated")
+GATED = _native is not None and hasattr(_native, "copy_gated") and hasattr(_native, "plan_store")
+
+
+def plan_store(
+    pool: np.ndarray,
+    block_bytes: int,
+    blocks_per_chunk: int,
+    dst_blocks: int,
+    src_ids: Sequence[int],
+    slots: Sequence[int],
+    sampled: tuple[np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, list[int]]:
+    """A store of whole chunks, natively: the ``[n, 3]`` byte segments that copy chunk ``c``'s
+    source blocks ``src_ids[c * k:(c + 1) * k]`` of ``pool`` (the primary pool as flat bytes)
+    to tier blocks ``slots[c] * k ..`` (equal to :func:`host_segments`), and each chunk's
+    checksum of its source (equal to ``checksum.block_checksums``; ``sampled`` from
+    ``checksum.sampled_words``). Needs :data:`GATED`."""
+    segments, sums = _native.plan_store(
+        pool, block_bytes, blocks_per_chunk, dst_blocks, array("q", src_ids),
+        array("q", slots), *sampled,
+    )  # fmt: skip
+    return np.frombuffer(segments, dtype=np.int64).reshape(-1, 3), sums
 
 
 def as_byte_rows(blocks: torch.Tensor) -> np.ndarray:

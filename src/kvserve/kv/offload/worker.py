@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvserve.kv.backends.checksum import block_checksums
+from kvserve.kv.backends.checksum import block_checksums, sampled_words
 from kvserve.kv.backends.cpu import CpuBackend
 from kvserve.kv.offload.block_copy import (
     GATED,
@@ -52,6 +52,7 @@ from kvserve.kv.offload.block_copy import (
     as_byte_rows,
     copy_blocks,
     host_segments,
+    plan_store,
 )
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,13 @@ class CpuTransferWorker(TransferWorker):
         # Flat byte views that stores copy between (see :func:`host_segments`).
         self._store_src = as_byte_rows(kv_cache).reshape(-1)
         self._store_dst = as_byte_rows(tier.blocks).reshape(-1)
+        layout = tier.layout
+        # The checksum's sampled words, for plan_store (blocks of whole 64-bit words only).
+        self._sampled = (
+            sampled_words(layout.chunk_bytes, layout.blocks_per_chunk)
+            if layout.block_bytes % 8 == 0
+            else None
+        )
         self._copy_threads = CopyThreads(min(torch.get_num_threads(), self.max_copy_threads))
         self._cond = threading.Condition()
         self._queue: deque[TransferJob] = deque()
@@ -236,16 +244,21 @@ class CpuTransferWorker(TransferWorker):
         chunks), rather than on the transfer thread: woken cold it took 0.3-0.7 ms for the
         same, holding the GIL while the engine's next forward pass waited for it. The source
         blocks are full and held until the store ends: their bytes cannot change meanwhile."""
-        chunks = job.chunks
+        chunks, k = job.chunks, self.tier.layout.blocks_per_chunk
         try:
+            src_ids = [b for c in chunks for b in c.block_ids]
+            if self._gate is not None and len(src_ids) == k * len(chunks) and self._sampled:
+                # Whole chunks (a store's are): segments and checksums in one native call.
+                job.segments, job.checksums = plan_store(
+                    self._store_src, self.tier.layout.block_bytes, k, self.tier.blocks.shape[0],
+                    src_ids, [c.slot for c in chunks], self._sampled,
+                )  # fmt: skip
+                return
             if self._gate is not None:
-                src_ids = [b for c in chunks for b in c.block_ids]
                 job.segments = host_segments(
                     self.kv_cache, self.tier.blocks, src_ids, _tier_ids(self.tier, chunks)
                 )[2]
-            job.checksums = block_checksums(
-                self._kv_u8, [c.block_ids for c in chunks], self.tier.layout.blocks_per_chunk
-            )
+            job.checksums = block_checksums(self._kv_u8, [c.block_ids for c in chunks], k)
         except Exception:  # a bad job fails on the transfer thread, as its copy would
             job.segments = job.checksums = None
 
