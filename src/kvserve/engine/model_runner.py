@@ -115,11 +115,12 @@ class ModelRunner:
 
     def _make_kv_cache_groups(self) -> list[KVCacheGroupSpec]:
         """The model's KV cache groups (one when ``kv_groups`` is off or a KV connector that
-        moves whole blocks of every layer is configured: P/D; the offload connector's host and
-        storage tiers move them per group), bound to its attention layers."""
+        moves whole blocks of every layer is configured; the offload connector's host and
+        storage tiers and the pd connector move them per group), bound to its attention
+        layers."""
         cfg = self.config
         enable = cfg.kv_groups
-        per_group = cfg.kv_connector == "offload"
+        per_group = cfg.kv_connector in ("offload", "pd")
         if enable and cfg.kv_connector and not per_group:
             groups = make_kv_cache_groups(self.model_config, enable=True)
             if len(groups) > 1 or groups[0].spec.sliding_window is not None:

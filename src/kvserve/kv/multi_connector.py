@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import EngineConfig
+    from kvserve.engine.kv_cache_manager import KVCacheManager
     from kvserve.engine.outputs import SchedulerOutput
     from kvserve.engine.request import Request
     from kvserve.kv.events import AnyKVEvent
@@ -32,6 +33,13 @@ class MultiConnector(KVConnectorBase):
         self.connectors = connectors
         self._owner: dict[str, int] = {}  # request id -> connector owning its pending load
         self._held: dict[str, set[int]] = {}  # finished request -> connectors holding it
+
+    def bind_kv_cache_manager(self, kvm: KVCacheManager) -> None:
+        """Hand the engine's KV cache manager (its groups) to every connector that takes it."""
+        for c in self.connectors:
+            bind = getattr(c, "bind_kv_cache_manager", None)
+            if bind is not None:
+                bind(kvm)
 
     # ---------------- scheduler side ----------------
     def get_num_new_matched_tokens(

@@ -19,6 +19,14 @@ and ``finished_recving`` makes it runnable. Blocks that did not arrive verified 
 ``invalid_block_ids`` and recomputed. A request pulls at most once (a lease serves one pull);
 when it needs nothing of the lease (its own cache holds the prefix, or the parameters name
 another model or prompt), the producer is told at once so its blocks are freed.
+
+KV cache groups (a hybrid model, :mod:`kvserve.engine.kv_cache_spec`): the producer leases, per
+group, the blocks a hit at the end of the offered prompt blocks needs (the spec's
+``num_skipped_blocks``: a full-attention group every block, a sliding-window group only its
+window; the others are freed already) and names them per group in ``remote_block_ids``; the
+consumer pulls, in one pull of several index ranges, each group's needed blocks past its own hit
+into the blocks the scheduler allocated for that group. A sliding group moves only its window's
+bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.request import RequestStatus
 from kvserve.kv.backends.base import ChunkLayout
-from kvserve.kv.backends.chunk_format import fingerprint_model_dir
+from kvserve.kv.backends.chunk_format import fingerprint_model_dir, kv_groups_identity
 from kvserve.kv.connector import (
     CONNECTORS,
     KVConnectorBase,
@@ -50,6 +58,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import EngineConfig
+    from kvserve.engine.kv_cache_manager import KVCacheManager
+    from kvserve.engine.kv_cache_spec import KVCacheSpec
     from kvserve.engine.outputs import SchedulerOutput
     from kvserve.engine.request import Request
 
@@ -115,14 +125,36 @@ class PDConnector(KVConnectorBase):
         self._counts = _Counts()
         self._load_bytes = 0
         self._load_time_s = 0.0
+        # KV cache groups (bind_kv_cache_manager); per_group: several, or a sliding one.
+        self.kvm: KVCacheManager | None = None
+        self.group_specs: list[KVCacheSpec] = []
+        self.per_group = False
+
+    def bind_kv_cache_manager(self, kvm: KVCacheManager) -> None:
+        """The engine's KV cache manager: its groups and their block tables."""
+        self.kvm = kvm
+        self.group_specs = [g.spec for g in kvm.kv_cache_groups]
+        self.per_group = len(self.group_specs) > 1 or self.group_specs[0].sliding_window is not None
+
+    def _group_lows(self, num_blocks: int, num_tokens: int) -> list[int]:
+        """Per group, the first of ``num_blocks`` prompt blocks a hit of them needs (the hit
+        point: ``min(num_blocks * bs, num_tokens - 1)``, as the consumer computes it): 0 for
+        full attention, the window's first block for a sliding group."""
+        bs = self.block_size
+        hit = min(num_blocks * bs, num_tokens - 1)
+        return [spec.num_skipped_blocks(hit, bs) for spec in self.group_specs]
 
     # ================================ worker side: setup =================================
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:
         self.memory = BlockMemory(kv_caches)
         layout = ChunkLayout.from_kv_cache(kv_caches, 1)
-        # Weights (sampled content), hash seed and KV layout: peers share KV only when equal.
+        # Weights (sampled content), hash seed and KV layout (and the KV cache groups: a block
+        # holds one group's layers): peers share KV only when equal.
+        groups = []
+        if self.per_group and self.kvm is not None:
+            groups = [kv_groups_identity(self.kvm.kv_cache_groups)]
         self.fingerprint = fingerprint_model_dir(
-            self.config.model or "", self.config.prefix_hash_seed, layout.describe()
+            self.config.model or "", self.config.prefix_hash_seed, layout.describe(), *groups
         )
         cfg = self.config
         if self.is_producer:
@@ -154,7 +186,7 @@ class PDConnector(KVConnectorBase):
         remote = pdp.parse_remote_prefill(request.kv_transfer_params)
         if remote is None:
             return 0, False
-        n, _ = remote.usable_blocks(request.block_hashes, self.fingerprint, self.block_size)
+        n, _ = self._usable(request, remote)
         end = min(n * self.block_size, request.num_tokens - 1)
         num_external = end - num_computed_tokens
         if num_external <= 0:
@@ -181,7 +213,7 @@ class PDConnector(KVConnectorBase):
             return
         self._tried.add(rid)
         if num_external_tokens <= 0 or lookup is None:
-            _, why = remote.usable_blocks(request.block_hashes, self.fingerprint, self.block_size)
+            _, why = self._usable(request, remote)
             if why:
                 self._counts.refused += 1
                 logger.warning("request %s: remote KV refused (%s); prefilling locally", rid, why)
@@ -190,20 +222,79 @@ class PDConnector(KVConnectorBase):
         bs = self.block_size
         start = lookup.num_computed_tokens // bs
         end = -(-(lookup.num_computed_tokens + num_external_tokens) // bs)
-        job = PullJob(
-            job_id=next(self._job_ids),
-            req_id=rid,
-            host=remote.host,
-            port=remote.port,
-            lease_id=remote.lease_id,
-            start=start,
-            end=end,
-            dst_block_ids=list(block_ids[start:end]),
-            expected_hashes=list(request.block_hashes[start:end]),
-        )
+        if self.per_group:
+            job = self._group_job(request, remote, lookup.num_computed_tokens, num_external_tokens)
+        else:
+            job = PullJob(
+                job_id=next(self._job_ids),
+                req_id=rid,
+                host=remote.host,
+                port=remote.port,
+                lease_id=remote.lease_id,
+                start=start,
+                end=end,
+                dst_block_ids=list(block_ids[start:end]),
+                expected_hashes=list(request.block_hashes[start:end]),
+            )
         self._to_start.append(job)
         self._pulls[rid] = _Pull(job)
         self._counts.pulls += 1
+
+    def _usable(self, request: Request, remote: pdp.RemotePrefill) -> tuple[int, str]:
+        """How many remote prompt blocks ``request`` can load (all or none) and why not: with
+        KV cache groups, each group's remote blocks must cover what a hit there needs."""
+        n, why = remote.usable_blocks(request.block_hashes, self.fingerprint, self.block_size)
+        if not n:
+            return n, why
+        groups = remote.group_block_ids
+        if not self.per_group:
+            return (0, "the remote KV is per KV cache group, ours is not") if groups else (n, "")
+        if groups is None or len(groups) != len(self.group_specs):
+            return 0, "the remote KV cache groups are not ours"
+        lows = self._group_lows(n, request.num_tokens)
+        if any(low < n - len(g) for low, g in zip(lows, groups, strict=True)):
+            return 0, "a remote sliding window does not cover this prompt's"
+        return n, ""
+
+    def _group_job(
+        self, request: Request, remote: pdp.RemotePrefill, num_computed: int, num_external: int
+    ) -> PullJob:
+        """One pull of every group's blocks a hit at ``num_computed + num_external`` tokens
+        needs past the request's own ``num_computed`` (a sliding group: only its window), into
+        the blocks the scheduler allocated for each group; ``ranges`` index the producer's
+        lease, its groups' blocks back to back."""
+        assert self.kvm is not None and remote.group_block_ids is not None
+        bs = self.block_size
+        hit = num_computed + num_external
+        end = -(-hit // bs)
+        n = remote.num_blocks
+        tables = self.kvm.get_group_block_ids(request.request_id)
+        ranges: list[tuple[int, int]] = []
+        dst: list[int] = []
+        hashes: list[bytes] = []
+        offset = 0  # the group's first index in the lease
+        for spec, table, theirs in zip(
+            self.group_specs, tables, remote.group_block_ids, strict=True
+        ):
+            lo = max(num_computed // bs, spec.num_skipped_blocks(hit, bs))
+            first = n - len(theirs)  # the prompt block of the group's first leased block
+            if end > lo:
+                ranges.append((offset + lo - first, offset + end - first))
+                dst.extend(table[lo:end])
+                hashes.extend(request.block_hashes[lo:end])
+            offset += len(theirs)
+        return PullJob(
+            job_id=next(self._job_ids),
+            req_id=request.request_id,
+            host=remote.host,
+            port=remote.port,
+            lease_id=remote.lease_id,
+            start=num_computed // bs,
+            end=end,
+            dst_block_ids=dst,
+            expected_hashes=hashes,
+            ranges=ranges,
+        )
 
     def _release_remote(self, rid: str, remote: pdp.RemotePrefill) -> None:
         """Tell the producer its lease is not needed (fire and forget)."""
@@ -253,9 +344,15 @@ class PDConnector(KVConnectorBase):
         assert self.leases is not None
         bs = self.block_size
         n = pdp.offered_blocks(request, block_ids, bs)
+        offered: list[int] | list[list[int]] = block_ids[:n]
+        leased, hashes = block_ids[:n], request.block_hashes[:n]
+        if self.per_group and n:
+            offered, leased, hashes = self._group_lease(request, n)
+            if not leased:
+                n, offered = 0, []
         lease_id = ""
         if n:
-            lease = self.leases.add(rid, block_ids[:n], request.block_hashes[:n])
+            lease = self.leases.add(rid, leased, hashes)
             self.server.seal(lease)
             lease_id = lease.lease_id
         host, port = self.server.address
@@ -264,12 +361,30 @@ class PDConnector(KVConnectorBase):
             host=host,
             port=port,
             lease_id=lease_id or "none",
-            block_ids=block_ids[:n],
+            block_ids=offered,
             block_size=bs,
             fingerprint=self.fingerprint,
             last_block_hash=request.block_hashes[n - 1] if n else None,
+            num_blocks=n,
         )
         return n > 0
+
+    def _group_lease(
+        self, request: Request, n: int
+    ) -> tuple[list[list[int]], list[int], list[bytes]]:
+        """Per group, the blocks of ``n`` offered prompt blocks a hit at their end needs (a
+        sliding group: its window); the lease's blocks (the groups' back to back) and their
+        chain hashes. Nothing when a needed block was freed already (a window that moved on)."""
+        assert self.kvm is not None
+        null = self.kvm.block_pool.null_block.block_id
+        tables = self.kvm.get_group_block_ids(request.request_id)
+        lows = self._group_lows(n, request.num_prompt_tokens)
+        per_group = [table[lo:n] for table, lo in zip(tables, lows, strict=True)]
+        if any(len(g) != n - lo or null in g for g, lo in zip(per_group, lows, strict=True)):
+            return [], [], []
+        leased = [b for g in per_group for b in g]
+        hashes = [h for lo in lows for h in request.block_hashes[lo:n]]
+        return per_group, leased, hashes
 
     def get_finished_kv_transfer_params(self, request: Request) -> dict[str, Any] | None:
         return self._params_out.pop(request.request_id, None)

@@ -10,6 +10,13 @@ carries the parameters of the decode leg, which the caller sends back unchanged:
      "remote_kv_fingerprint": <model + hash seed + KV layout>,
      "remote_last_block_hash": <hex of the chain hash of the last block>}
 
+With KV cache groups (a hybrid model, e.g. Gemma 3's sliding-window and full-attention
+layers), ``remote_block_ids`` is a list per group, as vLLM's NixlConnector writes it for its
+hybrid allocator: a full-attention group's every block, a sliding-window group's only the blocks
+of its window before the end of ``remote_num_tokens`` (the blocks before it are already freed:
+vLLM leaves its null blocks out the same way); ``remote_num_tokens`` then counts the prompt
+blocks covered.
+
 The first eight are vLLM's (NixlConnector) names; the last two are kvserve's: a decode engine
 refuses blocks of another model, layout or hash seed, or of another prompt or tenant (the chain
 hash commits to every token and the cache salt), before it pulls anything. The lease id is a
@@ -36,14 +43,19 @@ class RemotePrefill:
     host: str
     port: int
     lease_id: str
-    block_ids: list[int]
+    block_ids: list[int]  # one group's blocks (the first group's with groups)
     block_size: int
     num_tokens: int
     fingerprint: str
     last_block_hash: bytes
+    # Per KV cache group (None: one group): the group's blocks, the last ``len`` of the
+    # ``num_blocks`` prompt blocks (a sliding group's window, a full group's every block).
+    group_block_ids: list[list[int]] | None = None
 
     @property
     def num_blocks(self) -> int:
+        if self.group_block_ids is not None:
+            return self.num_tokens // self.block_size
         return len(self.block_ids)
 
     def usable_blocks(
@@ -56,6 +68,8 @@ class RemotePrefill:
             return 0, f"model fingerprint {self.fingerprint} is not ours ({fingerprint})"
         if self.block_size != block_size:
             return 0, f"block size {self.block_size} is not ours ({block_size})"
+        if self.group_block_ids is not None and any(len(g) > n for g in self.group_block_ids):
+            return 0, f"a group holds more blocks than the {n} remote prompt blocks"
         if n > len(block_hashes):
             return 0, f"{n} remote blocks for a prompt of {len(block_hashes)} full blocks"
         if n and block_hashes[n - 1] != self.last_block_hash:
@@ -72,6 +86,10 @@ def offered_blocks(request: Request, block_ids: Sequence[int], block_size: int) 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_block_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(b) and b >= 0 for b in v)
 
 
 def _check_type(params: dict[str, Any], key: str, ok: bool, what: str) -> None:
@@ -105,8 +123,11 @@ def check(params: dict[str, Any]) -> None:
             _check_type(params, key, _is_int(v) and v >= lo, f"an integer >= {lo}")
     ids = params.get("remote_block_ids")
     if ids is not None:
-        ok = isinstance(ids, list) and all(_is_int(b) and b >= 0 for b in ids)
-        _check_type(params, "remote_block_ids", ok, "a list of block ids")
+        ok = isinstance(ids, list) and (
+            all(_is_block_ids(g) for g in ids) if ids and isinstance(ids[0], list)
+            else _is_block_ids(ids)
+        )  # fmt: skip
+        _check_type(params, "remote_block_ids", ok, "a list of block ids (or one per group)")
     h = params.get("remote_last_block_hash")
     if h is not None:
         ok = isinstance(h, str) and len(h) == 64
@@ -144,8 +165,14 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
     if any(params.get(k) is None for k in need):
         return None
     ids = list(params["remote_block_ids"])
+    groups: list[list[int]] | None = None
+    if ids and isinstance(ids[0], list):
+        if params.get("remote_num_tokens") is None:
+            return None  # per-group blocks name the prompt blocks they cover by it
+        groups = [list(g) for g in ids]
+        ids = groups[0]
     h = params.get("remote_last_block_hash")
-    if ids and h is None:
+    if (ids or groups) and h is None:
         return None
     return RemotePrefill(
         engine_id=str(params.get("remote_engine_id") or ""),
@@ -157,6 +184,7 @@ def parse_remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
         num_tokens=params.get("remote_num_tokens") or len(ids) * params["remote_block_size"],
         fingerprint=params["remote_kv_fingerprint"],
         last_block_hash=bytes.fromhex(h) if h else b"",
+        group_block_ids=groups,
     )
 
 
@@ -166,12 +194,16 @@ def decode_leg_params(
     host: str,
     port: int,
     lease_id: str,
-    block_ids: list[int],
+    block_ids: list[int] | list[list[int]],
     block_size: int,
     fingerprint: str,
     last_block_hash: bytes | None,
+    num_blocks: int | None = None,
 ) -> dict[str, Any]:
-    """What a finished prefill returns: the decode leg's ``kv_transfer_params``."""
+    """What a finished prefill returns: the decode leg's ``kv_transfer_params``
+    (``block_ids`` per group, covering ``num_blocks`` prompt blocks, with KV cache groups)."""
+    if num_blocks is None:
+        num_blocks = len(block_ids)
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -179,9 +211,9 @@ def decode_leg_params(
         "remote_host": host,
         "remote_port": port,
         "remote_request_id": lease_id,
-        "remote_block_ids": list(block_ids),
+        "remote_block_ids": [list(g) if isinstance(g, list) else g for g in block_ids],
         "remote_block_size": block_size,
-        "remote_num_tokens": len(block_ids) * block_size,
+        "remote_num_tokens": num_blocks * block_size,
         "remote_kv_fingerprint": fingerprint,
         "remote_last_block_hash": last_block_hash.hex() if last_block_hash else None,
     }

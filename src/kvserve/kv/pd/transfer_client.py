@@ -130,7 +130,7 @@ class TcpPuller(Puller):
         mem = self.memory
         b = mem.block_bytes
         n = 0 if release else job.num_blocks
-        end = job.start + n
+        end = job.start if release else job.end
         deadline = time.monotonic() + self.timeout + n * b / MIN_BYTES_PER_S
         # Handing a lease back is a courtesy (it expires anyway): it never holds a pull thread
         # long behind an unreachable producer.
@@ -142,9 +142,12 @@ class TcpPuller(Puller):
                     release, n, end = True, 0, job.start  # hand the lease back, no more
                 self._socks[job.job_id] = sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ranges = list(job.ranges) if job.ranges is not None and not release else []
             send_msg(
                 sock,
-                PullRequest(PROTOCOL_VERSION, job.lease_id, self.fingerprint, b, job.start, end),
+                PullRequest(
+                    PROTOCOL_VERSION, job.lease_id, self.fingerprint, b, job.start, end, ranges
+                ),
             )
             hdr = recv_msg(sock, PullHeader, deadline)
             if not hdr.ok:

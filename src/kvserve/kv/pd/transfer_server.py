@@ -2,7 +2,8 @@
 
 ``max_connections`` threads each accept and serve one pull at a time (more pulls wait in the
 listen backlog, bounded by the consumer's timeout); one thread seals each new lease (digests of
-its blocks). A pull names its lease and the lease's block indices it wants; the server checks
+its blocks). A pull names its lease and the lease's block indices it wants (one range, or one per KV
+cache group); the server checks
 the lease and that the consumer's model fingerprint and block size are its own, then sends a
 header (chain hash and sealed xxh3-64 digest per block) and the blocks' bytes straight from the
 KV pool: one buffer per run of consecutive blocks, gathered into few ``sendmsg`` calls. Whatever
@@ -158,12 +159,13 @@ class TcpBlockServer(LeaseServer):
                 send_msg(conn, PullHeader(ok=False, error=error))
                 return
             assert lease is not None and lease.digests is not None
-            ids = lease.block_ids[req.start : req.end]
+            ranges = req.index_ranges()
+            ids = [b for lo, hi in ranges for b in lease.block_ids[lo:hi]]
             header = PullHeader(
                 ok=True,
                 block_bytes=self.memory.block_bytes,
-                hashes=lease.block_hashes[req.start : req.end],
-                digests=lease.digests[req.start : req.end],
+                hashes=[h for lo, hi in ranges for h in lease.block_hashes[lo:hi]],
+                digests=[d for lo, hi in ranges for d in lease.digests[lo:hi]],
             )
             t0 = time.perf_counter()
             self._send_blocks(conn, frame(header), ids)
@@ -208,11 +210,14 @@ class TcpBlockServer(LeaseServer):
                 f"model/layout mismatch: consumer {req.fingerprint}/{req.block_bytes}B, "
                 f"producer {self.fingerprint}/{self.memory.block_bytes}B"
             )
-        if not 0 <= req.start <= req.end <= lease.num_blocks:
-            return f"blocks [{req.start}, {req.end}) outside the lease's {lease.num_blocks}"
-        if req.end > req.start and not lease.sealed.wait(self.timeout):
+        ranges = req.index_ranges()
+        for lo, hi in ranges:
+            if not 0 <= lo <= hi <= lease.num_blocks:
+                return f"blocks [{lo}, {hi}) outside the lease's {lease.num_blocks}"
+        wanted = any(hi > lo for lo, hi in ranges)
+        if wanted and not lease.sealed.wait(self.timeout):
             return "lease not sealed in time"
-        if req.end > req.start and lease.digests is None:
+        if wanted and lease.digests is None:
             return "lease could not be sealed"
         return ""
 

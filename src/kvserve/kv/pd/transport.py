@@ -23,7 +23,8 @@ from kvserve.kv.pd.leases import Lease
 
 @dataclass(eq=False)
 class PullJob:
-    """Pull lease blocks ``[start, end)`` into ``dst_block_ids`` (one per index)."""
+    """Pull lease blocks ``[start, end)`` (or the index ``ranges`` of the lease, in order: the
+    blocks of several KV cache groups) into ``dst_block_ids`` (one per index)."""
 
     job_id: int
     req_id: str
@@ -34,6 +35,7 @@ class PullJob:
     end: int
     dst_block_ids: list[int]
     expected_hashes: list[BlockHash]  # the consumer's chain hashes of those blocks
+    ranges: list[tuple[int, int]] | None = None  # None: [(start, end)]
     # Outcome, set by the transport before the job is reported.
     good_blocks: int = 0
     error: str | None = None
@@ -44,12 +46,14 @@ class PullJob:
 
     @property
     def num_blocks(self) -> int:
+        if self.ranges is not None:
+            return sum(b - a for a, b in self.ranges)
         return self.end - self.start
 
     @property
     def release_only(self) -> bool:
         """Pulls nothing: tells the producer its lease is not needed."""
-        return self.end == self.start
+        return self.num_blocks == 0
 
 
 class LeaseServer(ABC):

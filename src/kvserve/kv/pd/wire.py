@@ -3,13 +3,14 @@
 One pull per connection::
 
     consumer -> producer   PullRequest   (lease id, the consumer's model fingerprint and block
-                                          size in bytes, block indices [start, end) of the lease)
+                                          size in bytes, block indices [start, end) of the lease,
+                                          or several index ranges: KV cache groups)
     producer -> consumer   PullHeader    (ok or why not; per block: chain hash, xxh3-64 digest)
     producer -> consumer   raw bytes of the blocks, in index order, back to back
     consumer -> producer   PullDone      (how many leading blocks verified)
 
 A message is a 4-byte big-endian length and a msgpack body. A pull of no blocks
-(``start == end``) only releases the lease (the decode side holds every block already).
+(``start == end``, no ranges) only releases the lease (the decode side holds every block already).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TypeVar
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: index ranges
 MAX_MESSAGE_BYTES = 16 << 20  # a header of 100k blocks is ~5 MB
 
 # Buffers per sendmsg / recvmsg_into call (the kernel's limit, at most 1024).
@@ -41,6 +42,10 @@ class PullRequest(msgspec.Struct, frozen=True):
     block_bytes: int
     start: int
     end: int
+    ranges: list[tuple[int, int]] = []  # when given, the blocks asked for (start, end unused)
+
+    def index_ranges(self) -> list[tuple[int, int]]:
+        return list(self.ranges) if self.ranges else [(self.start, self.end)]
 
 
 class PullHeader(msgspec.Struct, frozen=True):
