@@ -32,7 +32,16 @@ chunk only, without every layer of every chunk. Tier read bytes and time, the co
 load time (staging + copy) and TTFT, interleaved. The fs files are in the page cache (the
 same machine wrote them): this measures the tier's read path, not a cold disk.
 
+P/D pulls (``--pd-only``: results ``kv_groups_pd``): a producer engine prefills a
+``--pd-prompt-len`` (2048) token prompt (``do_remote_decode``), a consumer engine serves the
+decode leg and pulls the prompt's KV over loopback TCP. With groups the producer leases the
+full layer's blocks and each sliding layer's window before the end of the prompt, and the
+consumer pulls only those; without, every layer of every block. Bytes pulled, the pull's time
+(the pull thread's wall time: connect, header, receive and xxh3 verification), its CPU time and
+the decode leg's TTFT, groups on vs off, interleaved, ``--pd-reps`` times each, same KV bytes.
+
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_kv_groups.py
+    flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_kv_groups.py --pd-only
     .venv/bin/python benchmarks/bench_kv_groups.py --quick      # smoke run
 """
 
@@ -54,7 +63,8 @@ import torch  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E402
-from kvserve.config import GiB  # noqa: E402
+from kvserve.config import EngineConfig, GiB  # noqa: E402
+from kvserve.engine.engine import LLMEngine  # noqa: E402
 from kvserve.engine.kv_cache_spec import cdiv  # noqa: E402
 from kvserve.model.presets import make_model  # noqa: E402
 
@@ -290,6 +300,114 @@ def measure_storage_loads(model: str, args: argparse.Namespace) -> dict[str, Any
     return out
 
 
+def _until_done(eng: LLMEngine, rid: str) -> Any:
+    """Step ``eng`` until request ``rid`` finishes; its output."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                return out
+    raise TimeoutError(f"request {rid} did not finish: {eng.get_stats()}")
+
+
+def measure_pd(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """P/D pull of a long prompt, groups on vs off (a producer and a consumer engine each,
+    the same KV bytes), interleaved."""
+    blocks = -(-(args.pd_prompt_len + 64) // BS)
+    nblocks = {"off": blocks + 8, "on": 6 * (blocks + 8)}
+    pairs: dict[str, tuple[LLMEngine, LLMEngine]] = {}
+    for name, on in (("on", True), ("off", False)):
+        kw = dict(model=model, block_size=BS, num_kv_blocks=nblocks[name], kv_groups=on,
+                  dtype="float32", num_threads=1, max_num_batched_tokens=2048)  # fmt: skip
+        pairs[name] = (
+            LLMEngine(EngineConfig(kv_role="producer", **kw)),
+            LLMEngine(EngineConfig(kv_role="consumer", **kw)),
+        )
+    rng = random.Random(27)
+    vocab = pairs["on"][0].runner.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows: dict[str, list[dict[str, float]]] = {"on": [], "off": []}
+    for rep_i in range(args.pd_reps):
+        prompt = [0] + [rng.randrange(3, vocab) for _ in range(args.pd_prompt_len - 1)]
+        for name in ("on", "off") if rep_i % 2 == 0 else ("off", "on"):
+            producer, consumer = pairs[name]
+            rid = producer.add_request(
+                None, prompt, one, kv_transfer_params={"do_remote_decode": True}
+            )
+            params = _until_done(producer, rid).kv_transfer_params
+            before = consumer.get_stats().connector
+            rid = consumer.add_request(None, prompt, one, kv_transfer_params=params)
+            out = _until_done(consumer, rid)
+            after = consumer.get_stats().connector
+            while producer.has_unfinished_requests():  # the lease ends with the pull
+                producer.step()
+            assert out.metrics.num_external_cached_tokens == args.pd_prompt_len - 1
+            assert after.extra["pd_blocks_invalid"] == before.extra["pd_blocks_invalid"]
+            rows[name].append(
+                {
+                    "pull_bytes": after.load_bytes - before.load_bytes,
+                    "pull_s": after.load_time_s - before.load_time_s,
+                    "pull_cpu_s": after.extra["pd_pull_cpu_s"] - before.extra["pd_pull_cpu_s"],
+                    "blocks": after.extra["pd_blocks_pulled"] - before.extra["pd_blocks_pulled"],
+                    "ttft_s": out.metrics.time_to_first_token,
+                }
+            )
+    block_bytes = {name: pairs[name][1].runner.kv_block_bytes() for name in pairs}
+    for producer, consumer in pairs.values():
+        producer.shutdown()
+        consumer.shutdown()
+    out: dict[str, Any] = {"prompt_len": args.pd_prompt_len, "reps": args.pd_reps}
+    for name, r in rows.items():
+        out[name] = {
+            "pull_mib": round(r[0]["pull_bytes"] / (1 << 20), 3),
+            "blocks": int(r[0]["blocks"]),
+            "block_bytes": block_bytes[name],
+            "pull_ms_median": round(1e3 * statistics.median(x["pull_s"] for x in r), 3),
+            "pull_cpu_ms_median": round(1e3 * statistics.median(x["pull_cpu_s"] for x in r), 3),
+            "ttft_ms_median": round(1e3 * statistics.median(x["ttft_s"] for x in r), 2),
+            "rows": r,
+        }
+    on, off = out["on"], out["off"]
+    out["bytes_ratio"] = round(off["pull_mib"] / on["pull_mib"], 2)
+    out["pull_time_ratio"] = round(off["pull_ms_median"] / on["pull_ms_median"], 2)
+    out["pull_cpu_ratio"] = round(off["pull_cpu_ms_median"] / on["pull_cpu_ms_median"], 2)
+    out["ttft_ratio"] = round(off["ttft_ms_median"] / on["ttft_ms_median"], 2)
+    return out
+
+
+def report_pd(r: dict[str, Any]) -> str:
+    on, off = r["on"], r["off"]
+    lines = [
+        "# KV cache groups: P/D pulls on a hybrid model (benchmarks/bench_kv_groups.py --pd-only)",
+        "",
+        f"Model: tiny-gemma3 (5 sliding layers W=32 : 1 full, fp32, CPU); one prompt of "
+        f"{r['prompt_len']} tokens per rep, prefilled by a producer engine, its decode leg on a "
+        f"consumer engine that pulls the prompt's KV over loopback TCP; groups on vs off "
+        f"(`--no-kv-groups`), the same KV bytes, interleaved, {r['reps']} reps each (medians).",
+        "",
+        "| | groups on (per group) | groups off (every layer) | off / on |",
+        "|---|---|---|---|",
+        f"| bytes pulled | {on['pull_mib']} MiB ({on['blocks']} blocks x {on['block_bytes']} B) "
+        f"| {off['pull_mib']} MiB ({off['blocks']} blocks x {off['block_bytes']} B) "
+        f"| {r['bytes_ratio']} |",
+        f"| pull time (ms) | {on['pull_ms_median']} | {off['pull_ms_median']} "
+        f"| {r['pull_time_ratio']} |",
+        f"| pull thread CPU (ms) | {on['pull_cpu_ms_median']} | {off['pull_cpu_ms_median']} "
+        f"| {r['pull_cpu_ratio']} |",
+        f"| decode leg TTFT (ms) | {on['ttft_ms_median']} | {off['ttft_ms_median']} "
+        f"| {r['ttft_ratio']} |",
+        "",
+        "Pull time: the consumer's pull thread, connect to verified (header, receive straight "
+        "into the KV pool, xxh3-64 per block). TTFT: the decode leg's arrival to its first "
+        "token (the pull, then the last prompt token's forward pass).",
+        "",
+        f"Load average during the run: {r['loadavg']}",
+        "",
+        machine_markdown(r["machine"]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def report(r: dict[str, Any]) -> str:
     m = r["measured"]
     p = r["predicted"]
@@ -394,14 +512,32 @@ def main() -> None:
         action="store_true",
         help="run only the fs-tier part and add it to the recorded results/<stem>.json",
     )
+    p.add_argument("--pd-only", action="store_true", help="only the P/D pulls (kv_groups_pd)")
+    p.add_argument("--pd-prompt-len", type=int, default=2048)
+    p.add_argument("--pd-reps", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="smoke run (short prompts)")
     p.add_argument("--stem", default="kv_groups")
     args = p.parse_args()
     if args.quick:
         args.prompt_len, args.output_len, args.requests_off = 256, 64, 3
         args.load_prompt_len, args.load_reps, args.storage_reps = 512, 2, 2
+        args.pd_prompt_len, args.pd_reps = 512, 2
     blocks = -(-(args.load_prompt_len + 64) // BS)
     args.load_blocks = {"off": blocks + 8, "on": 6 * blocks + 64}  # the same bytes
+    if args.pd_only:
+        torch.set_num_threads(1)
+        model = str(make_model(Path(tempfile.mkdtemp()), "tiny-gemma3"))
+        load0 = os.getloadavg()[0]
+        pd = measure_pd(model, args)
+        pd["loadavg"] = [load0, os.getloadavg()[0]]
+        pd["machine"] = describe_machine()
+        print({k: v for k, v in pd.items() if k not in ("on", "off", "machine")}, flush=True)
+        print({n: {k: v for k, v in pd[n].items() if k != "rows"} for n in ("on", "off")})
+        if not args.quick:
+            stem = f"{args.stem}_pd"
+            (RESULTS / f"{stem}.json").write_text(json.dumps(pd, indent=2) + "\n")
+            (RESULTS / f"{stem}.md").write_text(report_pd(pd))
+        return
     if args.storage_only:
         torch.set_num_threads(1)
         model = str(make_model(Path(tempfile.mkdtemp()), "tiny-gemma3"))

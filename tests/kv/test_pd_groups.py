@@ -142,3 +142,33 @@ def test_pd_groups_chained_with_offload(engines, reference) -> None:
     assert again.metrics.num_external_cached_tokens > 0
     st = consumer.get_stats().connector
     assert st.extra["pd_blocks_pulled"] == blocks and st.store_bytes > 0
+
+
+def test_pd_without_groups_and_mismatched_groups(engines, reference) -> None:
+    """``kv_groups=False`` on both sides: every layer of every block, one flat list, as before.
+    A consumer that groups otherwise than the producer, or parameters that lack a window
+    block, refuse the remote KV and recompute (the lease is handed back at once)."""
+    prompts = prompts_of(4, [131, 131, 131])
+    want = ref_tokens(reference, prompts, 8)
+    flat_p = engines(kv_role="producer", kv_groups=False)
+    flat_c = engines(kv_role="consumer", kv_groups=False)
+    assert flat_p.kv_cache_manager.num_groups == 1
+    (params,) = prefill(flat_p, prompts[:1])
+    ids = params["remote_block_ids"]
+    assert len(ids) == 8 and all(isinstance(b, int) for b in ids)
+    (out,) = run(flat_c, prompts[:1], 8, [params])
+    assert out.outputs[0].token_ids == want[0]
+    assert out.metrics.num_external_cached_tokens == 128
+    assert flat_c.get_stats().connector.load_bytes == 8 * flat_c.runner.kv_block_bytes()
+    producer = engines(kv_role="producer")
+    consumer = engines(kv_role="consumer")
+    p1, p2 = prefill(producer, prompts[1:])
+    (o1,) = run(flat_c, prompts[1:2], 8, [p1])  # grouped KV, ungrouped consumer
+    short = [list(g) for g in p2["remote_block_ids"]]
+    short[2] = short[2][1:]  # a sliding group's window without its first block
+    (o2,) = run(consumer, prompts[2:], 8, [dict(p2, remote_block_ids=short)])
+    assert [o1.outputs[0].token_ids, o2.outputs[0].token_ids] == want[1:]
+    assert o1.metrics.num_external_cached_tokens == o2.metrics.num_external_cached_tokens == 0
+    assert extra(flat_c, "pd_refused") == 1 and extra(consumer, "pd_refused") == 1
+    drain(producer, timeout=60)  # both leases handed back, not expired
+    assert extra(producer, "pd_leases_pulled") == 2 and extra(producer, "pd_leases_expired") == 0
