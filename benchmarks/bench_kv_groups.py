@@ -33,7 +33,7 @@ load time (staging + copy) and TTFT, interleaved. The fs files are in the page c
 same machine wrote them): this measures the tier's read path, not a cold disk.
 
 P/D pulls (``--pd-only``: results ``kv_groups_pd``): a producer engine prefills a
-``--pd-prompt-len`` (2048) token prompt (``do_remote_decode``), a consumer engine serves the
+``--pd-prompt-len`` (2000) token prompt (``do_remote_decode``), a consumer engine serves the
 decode leg and pulls the prompt's KV over loopback TCP. With groups the producer leases the
 full layer's blocks and each sliding layer's window before the end of the prompt, and the
 consumer pulls only those; without, every layer of every block. Bytes pulled, the pull's time
@@ -375,6 +375,12 @@ def measure_pd(model: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _paired(r: dict[str, Any], key: str) -> str:
+    """Median (min-max) of the per-rep ratios off / on of ``key``."""
+    ratios = [b[key] / a[key] for a, b in zip(r["on"]["rows"], r["off"]["rows"], strict=True)]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def report_pd(r: dict[str, Any]) -> str:
     on, off = r["on"], r["off"]
     lines = [
@@ -396,6 +402,9 @@ def report_pd(r: dict[str, Any]) -> str:
         f"| {r['pull_cpu_ratio']} |",
         f"| decode leg TTFT (ms) | {on['ttft_ms_median']} | {off['ttft_ms_median']} "
         f"| {r['ttft_ratio']} |",
+        "",
+        f"Per rep (paired, off / on): pull time {_paired(r, 'pull_s')}, "
+        f"TTFT {_paired(r, 'ttft_s')} (median, min-max).",
         "",
         "Pull time: the consumer's pull thread, connect to verified (header, receive straight "
         "into the KV pool, xxh3-64 per block). TTFT: the decode leg's arrival to its first "
@@ -513,7 +522,7 @@ def main() -> None:
         help="run only the fs-tier part and add it to the recorded results/<stem>.json",
     )
     p.add_argument("--pd-only", action="store_true", help="only the P/D pulls (kv_groups_pd)")
-    p.add_argument("--pd-prompt-len", type=int, default=2048)
+    p.add_argument("--pd-prompt-len", type=int, default=2000)
     p.add_argument("--pd-reps", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="smoke run (short prompts)")
     p.add_argument("--stem", default="kv_groups")
