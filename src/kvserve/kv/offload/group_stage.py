@@ -11,7 +11,7 @@ planned; a store pins the sliding blocks it reads until it ends. Storage tiers h
 group's chunks too (the cascade writes each under its group's key); a storage hit is staged into
 host slots before the request is allocated (:class:`GroupStage`: lookups per group, then one
 read of only the chunks the hit needs, a sliding group's window), so a chunk that fails to read
-is a shorter hit. With P/D (whole blocks of every layer) a hybrid model keeps one group.
+is a shorter hit. The P/D connector moves KV per group by the same hit rule (kv/pd/).
 
 :class:`GroupOffloading` is a part of :class:`~kvserve.kv.offload.connector.OffloadingConnector`
 (its state is the connector's); it is used only when ``per_group`` is set.
