@@ -511,7 +511,7 @@ def test_endpoint_picker_sees_the_hybrid_rule() -> None:
     from kvserve.cluster.epp.processor import ExtProcStream
     from kvserve.cluster.epp.server import EndpointPicker
     from kvserve.cluster.gateway import Router
-    from tests.cluster.test_epp_processor import _body, _destination, _headers
+    from tests.cluster.test_epp_processor import _body, _destination, _handle, _headers
 
     addresses = {"a": "127.0.0.1:18011", "b": "127.0.0.1:18012"}
     cfg = RouterConfig(
@@ -531,8 +531,8 @@ def test_endpoint_picker_sees_the_hybrid_rule() -> None:
 
     async def pick() -> str:
         s = ExtProcStream(epp)
-        assert await s.handle(_headers()) == []
-        out = await s.handle(_body(body, True))
+        assert await _handle(s, _headers()) == []
+        out = await _handle(s, _body(body, True))
         s.release()
         return _destination(out).split(",")[0]
 
