@@ -79,6 +79,29 @@ static void stream_copy(char *dst, const char *src, size_t n)
 #endif
 }
 
+/* Copy ``n`` bytes, with streaming stores where they pay off; returns whether it used them
+ * (the caller fences once, after its last copy: end_copies). */
+static int copy_range(char *dst, const char *src, size_t n, int nontemporal)
+{
+    if (nontemporal && n >= STREAM_MIN_BYTES) {
+        stream_copy(dst, src, n);
+        return 1;
+    }
+    memcpy(dst, src, n);
+    return 0;
+}
+
+/* Streaming stores are weakly ordered: make them visible before the copy is reported done. */
+static void end_copies(int streamed)
+{
+#if KV_HAVE_STREAM
+    if (streamed)
+        _mm_sfence();
+#else
+    (void)streamed;
+#endif
+}
+
 /* The number of (src, dst, length) triples in ``seg``, each within ``src`` and ``dst``; -1 with
  * an exception set when one is not (checked before anything is copied). */
 static Py_ssize_t checked_segments(Py_buffer *seg, Py_buffer *src, Py_buffer *dst)
@@ -130,20 +153,9 @@ static PyObject *copy_segments(PyObject *Py_UNUSED(module), PyObject *args)
             break;
         char *to = (char *)dst.buf + s[3 * k + 1];
         const char *from = (const char *)src.buf + s[3 * k];
-        size_t len = (size_t)s[3 * k + 2];
-        if (nontemporal && len >= STREAM_MIN_BYTES) {
-            stream_copy(to, from, len);
-            streamed = 1;
-        } else {
-            memcpy(to, from, len);
-        }
+        streamed |= copy_range(to, from, (size_t)s[3 * k + 2], nontemporal);
     }
-#if KV_HAVE_STREAM
-    if (streamed)
-        _mm_sfence(); /* streaming stores are weakly ordered: visible before we return */
-#else
-    (void)streamed;
-#endif
+    end_copies(streamed);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
@@ -296,16 +308,11 @@ static PyObject *copy_gated(PyObject *Py_UNUSED(module), PyObject *args)
             admit = gate_admits(g, max_forward, deadline_ns);
             if (admit != 0)
                 break;
+            /* A change after ``seen`` was read bumped GATE_SEQ: the wait returns at once. */
+            int64_t left = deadline_ns - now_ns(CLOCK_MONOTONIC);
             __atomic_add_fetch(&g[GATE_WAITERS], 1, __ATOMIC_SEQ_CST);
-            /* Re-check after announcing ourselves: a change in between bumped GATE_SEQ. */
-            admit = gate_admits(g, max_forward, deadline_ns);
-            if (admit == 0) {
-                int64_t left = deadline_ns - now_ns(CLOCK_MONOTONIC);
-                gate_wait(g, seen, left < 1 ? 1 : left);
-            }
+            gate_wait(g, seen, left < 1 ? 1 : left);
             __atomic_sub_fetch(&g[GATE_WAITERS], 1, __ATOMIC_SEQ_CST);
-            if (admit != 0)
-                break;
         }
         if (admit < 0)
             break;
@@ -316,12 +323,7 @@ static PyObject *copy_gated(PyObject *Py_UNUSED(module), PyObject *args)
             int64_t take = len < budget ? len : budget;
             char *to = (char *)dst.buf + s[3 * k + 1] + off;
             const char *from = (const char *)src.buf + s[3 * k] + off;
-            if (take >= STREAM_MIN_BYTES) {
-                stream_copy(to, from, (size_t)take);
-                streamed = 1;
-            } else {
-                memcpy(to, from, (size_t)take);
-            }
+            streamed |= copy_range(to, from, (size_t)take, 1);
             pos += take;
             budget -= take;
             if (take == len)
@@ -330,12 +332,7 @@ static PyObject *copy_gated(PyObject *Py_UNUSED(module), PyObject *args)
         if (admit == 2)
             in_forward_ns += now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu0;
     }
-#if KV_HAVE_STREAM
-    if (streamed)
-        _mm_sfence();
-#else
-    (void)streamed;
-#endif
+    end_copies(streamed);
     Py_END_ALLOW_THREADS
     result = Py_BuildValue("LL", (long long)pos, (long long)in_forward_ns);
 done:
