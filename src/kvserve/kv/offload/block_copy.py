@@ -249,7 +249,7 @@ class ForwardGate:
     :meth:`release` (copy at once: someone waits for them) and :meth:`yield_` (return before
     the next piece: more urgent work is queued). Native only (:data:`GATED`)."""
 
-    _IN_FORWARD, _FORWARDS, _RELEASE, _YIELD = 2, 3, 4, 5
+    _FORWARDS, _RELEASE, _YIELD = 3, 4, 5  # slots of the gate (see _stream_copy.c)
 
     def __init__(self) -> None:
         if _native is None:

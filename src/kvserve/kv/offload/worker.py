@@ -101,6 +101,11 @@ def _tier_ids(tier: CpuBackend, chunks: list[ChunkCopy]) -> list[int]:
     return [c.slot * k + c.offset + j for c in chunks for j in range(len(c.block_ids))]
 
 
+def _store_ids(tier: CpuBackend, chunks: list[ChunkCopy]) -> tuple[list[int], list[int]]:
+    """A store's (primary-pool block, tier block) pairs, as two lists."""
+    return [b for c in chunks for b in c.block_ids], _tier_ids(tier, chunks)
+
+
 class TransferWorker:
     """Common interface of the CPU and CUDA workers."""
 
@@ -429,16 +434,16 @@ class CpuTransferWorker(TransferWorker):
             logger.exception("KV transfer job %d failed", job.job_id)
             return [TransferResult(job.job_id, ok=False, bad_chunks=list(range(len(job.chunks))))]
 
-    def _copy_store_gated(
-        self, batch: list[TransferJob], src_ids: list[int], dst_ids: list[int]
-    ) -> list[float]:
+    def _copy_store_gated(self, batch: list[TransferJob], chunks: list[ChunkCopy]) -> list[float]:
         """A store batch's copy, gated natively by the forward passes (lag and deadline from
         its first job), running loads queued meanwhile. Returns [CPU s copied during forward
         passes, CPU s of those loads]."""
         head = batch[0]
         src, dst = self._store_src, self._store_dst
+        # Not prepared at submission (a bad job, which fails here): work them out now.
         if any(job.segments is None for job in batch):
-            segments = host_segments(self.kv_cache, self.tier.blocks, src_ids, dst_ids)[2]
+            ids = _store_ids(self.tier, chunks)
+            segments = host_segments(self.kv_cache, self.tier.blocks, *ids)[2]
         elif len(batch) == 1:
             segments = head.segments
         else:
@@ -460,9 +465,7 @@ class CpuTransferWorker(TransferWorker):
                 self._publish(self._run_safe(loads))
                 cpu[1] += time.thread_time() - t
 
-    def _copy_store_held(
-        self, head: TransferJob, src_ids: list[int], dst_ids: list[int]
-    ) -> list[float]:
+    def _copy_store_held(self, head: TransferJob, chunks: list[ChunkCopy]) -> list[float]:
         """The same as :meth:`_copy_store_gated`, waiting in Python (:meth:`_hold_store`):
         without the native extension."""
         # CPU time at the last piece, in forward passes so far, running loads meanwhile.
@@ -478,7 +481,7 @@ class CpuTransferWorker(TransferWorker):
             cpu[2] += cpu[0] - now
 
         copy_blocks(
-            self.kv_cache, self.tier.blocks, src_ids, dst_ids,
+            self.kv_cache, self.tier.blocks, *_store_ids(self.tier, chunks),
             piece_bytes=self.store_piece_bytes, between_pieces=between_pieces,
         )  # fmt: skip
         if in_forward[0]:
@@ -494,12 +497,11 @@ class CpuTransferWorker(TransferWorker):
         chunks = [c for job in batch for c in job.chunks]
         if batch[0].is_store:
             t_cpu = time.thread_time()
-            src_ids, dst_ids = [b for c in chunks for b in c.block_ids], _tier_ids(tier, chunks)
             if self._gate is not None:
                 # [CPU s in forward passes, CPU s of loads run meanwhile]
-                cpu = self._copy_store_gated(batch, src_ids, dst_ids)
+                cpu = self._copy_store_gated(batch, chunks)
             else:
-                cpu = self._copy_store_held(batch[0], src_ids, dst_ids)
+                cpu = self._copy_store_held(batch[0], chunks)
             # Checksums of the source: a copy that went wrong fails the load's verification.
             if all(job.checksums is not None for job in batch):
                 sums = [c for job in batch for c in job.checksums]
