@@ -233,14 +233,17 @@ def measure_loads(model: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt_len": args.load_prompt_len, "reps": args.load_reps}
     for name, r in rows.items():
         out[name] = {
-            "load_ms_median": round(1e3 * statistics.median(x["load_s"] for x in r), 3),
-            "ttft_ms_median": round(1e3 * statistics.median(x["ttft_s"] for x in r), 2),
+            "load_ms_median": _median_ms(r, "load_s"),
+            "ttft_ms_median": _median_ms(r, "ttft_s", 2),
             "load_mib": round(r[0]["load_bytes"] / (1 << 20), 3),
             "rows": r,
         }
-    out["load_time_ratio"] = round(out["off"]["load_ms_median"] / out["on"]["load_ms_median"], 2)
-    out["load_bytes_ratio"] = round(out["off"]["load_mib"] / out["on"]["load_mib"], 2)
-    out["ttft_ratio"] = round(out["off"]["ttft_ms_median"] / out["on"]["ttft_ms_median"], 2)
+    _off_over_on(
+        out,
+        load_time_ratio="load_ms_median",
+        load_bytes_ratio="load_mib",
+        ttft_ratio="ttft_ms_median",
+    )
     out["goal_met"] = out["load_time_ratio"] >= 1.5
     return out
 
@@ -287,16 +290,18 @@ def measure_storage_loads(model: str, args: argparse.Namespace) -> dict[str, Any
         out[name] = {
             "tier_read_mib": round(r[0]["tier_read_bytes"] / (1 << 20), 3),
             "tier_chunks": int(r[0]["tier_chunks"]),
-            "tier_read_ms_median": round(1e3 * statistics.median(x["tier_read_s"] for x in r), 3),
-            "load_ms_median": round(1e3 * statistics.median(x["load_s"] for x in r), 3),
-            "ttft_ms_median": round(1e3 * statistics.median(x["ttft_s"] for x in r), 2),
+            "tier_read_ms_median": _median_ms(r, "tier_read_s"),
+            "load_ms_median": _median_ms(r, "load_s"),
+            "ttft_ms_median": _median_ms(r, "ttft_s", 2),
             "rows": r,
         }
-    on, off = out["on"], out["off"]
-    out["read_bytes_ratio"] = round(off["tier_read_mib"] / on["tier_read_mib"], 2)
-    out["tier_read_time_ratio"] = round(off["tier_read_ms_median"] / on["tier_read_ms_median"], 2)
-    out["load_time_ratio"] = round(off["load_ms_median"] / on["load_ms_median"], 2)
-    out["ttft_ratio"] = round(off["ttft_ms_median"] / on["ttft_ms_median"], 2)
+    _off_over_on(
+        out,
+        read_bytes_ratio="tier_read_mib",
+        tier_read_time_ratio="tier_read_ms_median",
+        load_time_ratio="load_ms_median",
+        ttft_ratio="ttft_ms_median",
+    )
     return out
 
 
@@ -362,17 +367,30 @@ def measure_pd(model: str, args: argparse.Namespace) -> dict[str, Any]:
             "pull_mib": round(r[0]["pull_bytes"] / (1 << 20), 3),
             "blocks": int(r[0]["blocks"]),
             "block_bytes": block_bytes[name],
-            "pull_ms_median": round(1e3 * statistics.median(x["pull_s"] for x in r), 3),
-            "pull_cpu_ms_median": round(1e3 * statistics.median(x["pull_cpu_s"] for x in r), 3),
-            "ttft_ms_median": round(1e3 * statistics.median(x["ttft_s"] for x in r), 2),
+            "pull_ms_median": _median_ms(r, "pull_s"),
+            "pull_cpu_ms_median": _median_ms(r, "pull_cpu_s"),
+            "ttft_ms_median": _median_ms(r, "ttft_s", 2),
             "rows": r,
         }
-    on, off = out["on"], out["off"]
-    out["bytes_ratio"] = round(off["pull_mib"] / on["pull_mib"], 2)
-    out["pull_time_ratio"] = round(off["pull_ms_median"] / on["pull_ms_median"], 2)
-    out["pull_cpu_ratio"] = round(off["pull_cpu_ms_median"] / on["pull_cpu_ms_median"], 2)
-    out["ttft_ratio"] = round(off["ttft_ms_median"] / on["ttft_ms_median"], 2)
+    _off_over_on(
+        out,
+        bytes_ratio="pull_mib",
+        pull_time_ratio="pull_ms_median",
+        pull_cpu_ratio="pull_cpu_ms_median",
+        ttft_ratio="ttft_ms_median",
+    )
     return out
+
+
+def _median_ms(rows: list[dict[str, Any]], key: str, digits: int = 3) -> float:
+    """Median of ``key`` (seconds) over ``rows``, in ms."""
+    return round(1e3 * statistics.median(x[key] for x in rows), digits)
+
+
+def _off_over_on(out: dict[str, Any], **ratios: str) -> None:
+    """``out[name] = off / on`` of each summary key (groups off over groups on)."""
+    for name, key in ratios.items():
+        out[name] = round(out["off"][key] / out["on"][key], 2)
 
 
 def _paired(r: dict[str, Any], key: str) -> str:
