@@ -4,6 +4,7 @@ limit, permission denied) with recovery."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
@@ -17,6 +18,7 @@ from kvserve.kv.backends import create_backend
 from kvserve.kv.backends.chunk_format import ChunkCodec
 from kvserve.kv.backends.fs import FsBackend
 from tests.kv.conftest import drop_privileges, in_subprocess, remount
+from tests.kv.test_backend_disk import o_direct_works
 
 CODEC = ChunkCodec("0123456789abcdef", "L2-B16-H2-D32-bfloat16-k2", payload_bytes=64 << 10)
 STORED = CODEC.stored_bytes
@@ -81,6 +83,79 @@ def test_file_layout_and_options(make, tmp_path: Path) -> None:
         make(fsync="sometimes")
     with pytest.raises(ValueError, match="smaller than one chunk"):
         create_backend("fs", CODEC, path=str(tmp_path / "x"), size="1KiB")
+
+
+def cached_pages(path: str | Path) -> list[bool]:
+    """Per page of ``path``, whether the page cache holds it (``mincore`` of a mapping: no
+    read, no readahead)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        addr = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        vec = ctypes.create_string_buffer(-(-size // 4096))
+        assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+        return [bool(b & 1) for b in vec.raw]
+    finally:
+        with contextlib.suppress(BufferError):
+            m.close()
+
+
+def test_o_direct_writes_bypass_the_page_cache(make, tmp_path: Path) -> None:
+    """``auto``: chunk files are written with O_DIRECT where the file system takes it (ext4
+    here): the same bytes as a buffered write (header + payload; the last partial page
+    buffered), the chunk's pages not left in the page cache, where a buffered tier's stay;
+    a spare file (an evicted chunk's) is overwritten the same way and reads back verified."""
+    direct = make(root=tmp_path / "direct", chunks=8)
+    buffered = make(root=tmp_path / "buffered", o_direct="false")
+    assert direct.o_direct == o_direct_works(tmp_path) and buffered.o_direct is False
+    assert direct.direct_bytes == STORED // 4096 * 4096 < STORED  # a tail to write buffered
+    keys, payloads = chunks(10, seed=7)
+    assert direct.put(keys[:9], payloads[:9]) == [True] * 9
+    assert buffered.put(keys[:1], payloads[:1]) == [True]
+    pages = len(cached_pages(buffered.path_of(keys[0])))
+    assert cached_pages(buffered.path_of(keys[0])) == [True] * pages
+    if direct.o_direct:  # only the last page, written buffered
+        only_tail = [False] * (pages - 1) + [True]
+        assert [cached_pages(direct.path_of(k)) for k in keys[:9]] == [only_tail] * 9
+    for k, p in zip(keys[:9], payloads[:9], strict=True):
+        assert Path(direct.path_of(k)).read_bytes() == CODEC.encode(k, p)
+    # Evict (9 chunks > 8: down to 7, the oldest first) and reuse the spare file.
+    for i, k in enumerate(keys[:9]):
+        os.utime(direct.path_of(k), (time.time() - 100 + i,) * 2)
+    assert direct.sweep() == 2 and len(os.listdir(direct._spare_dir)) == 1
+    spare = os.stat(Path(direct._spare_dir) / os.listdir(direct._spare_dir)[0]).st_ino
+    assert direct.put(keys[9:], payloads[9:]) == [True]
+    assert os.stat(direct.path_of(keys[9])).st_ino == spare
+    assert Path(direct.path_of(keys[9])).read_bytes() == CODEC.encode(keys[9], payloads[9])
+    outs = outs_for(8)
+    assert direct.get(keys[2:], outs) == [True] * 8
+    assert [bytes(o) for o in outs] == [bytes(p) for p in payloads[2:]]
+    assert files(tmp_path / "direct")[1] == [] and direct.stats.errors == 0
+
+
+def test_o_direct_refused_falls_back_to_buffered_writes(make, mount_fs) -> None:
+    """ramfs refuses O_DIRECT: ``auto`` writes buffered, ``true`` is a clear error."""
+    d = mount_fs("ramfs")
+    b = make(root=d / "auto")
+    assert b.o_direct is False
+    keys, payloads = chunks(3, seed=8)
+    assert b.put(keys, payloads) == [True] * 3
+    outs = outs_for(3)
+    assert b.get(keys, outs) == [True] * 3
+    assert [bytes(o) for o in outs] == [bytes(p) for p in payloads]
+    with pytest.raises(OSError, match="O_DIRECT refused"):
+        make(root=d / "forced", o_direct="true")
+    assert files(d)[1] == []  # the probe files are gone
+    with pytest.raises(ValueError, match="o_direct must be"):
+        make(root=d / "bad", o_direct="maybe")
 
 
 def test_readers_never_see_a_torn_file(make) -> None:

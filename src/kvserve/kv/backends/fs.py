@@ -13,7 +13,19 @@ torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file
 writer process, retention moves there with the writes: the engine's instance stops sweeping),
 ``writeback`` (default true: the writing thread starts each file's writeback itself,
 ``sync_file_range``, so that the kernel's flusher threads, which run at normal priority beside
-the engine, have nothing left to do for it; the pages stay cached for readers).
+the engine, have nothing left to do for it), ``o_direct`` (``auto``, the default: chunk files
+are written with O_DIRECT where the file system takes it, else buffered; ``true``: required;
+``false``: buffered, the pages staying cached for readers on this node).
+O_DIRECT: a buffered write copies every chunk into the page cache and the writeback reads it
+again (two passes over memory per stored byte, plus the kernel's page-cache work), on a
+machine whose cores a CPU engine keeps busy and whose memory bandwidth its decode needs; the
+chunk's bytes are already cached where they matter (this instance's host tier). What it
+costs: an instance on the same node reads another's fresh chunk from the device, not from
+memory (``fs-cold`` in ``benchmarks/bench_tiers.py``); instances on other nodes of a network
+file system never had the writer's page cache. The file format is unchanged: the header and
+the payload's first bytes, a whole number of pages, are copied into a page-aligned buffer of
+the writing thread and written direct; the payload's last ``stored_bytes % 4096`` bytes are
+written buffered (the file's last page, appended: no read-modify-write of a block).
 Reads and writes run in the caller's thread, one file after the other: the storage worker owns
 the concurrency (its I/O threads each read one contiguous shard of a staging read); the
 ``io_threads`` option is accepted for old configurations and ignored. A read first takes what
@@ -49,7 +61,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import threading
 import time
@@ -60,7 +74,7 @@ from typing import Any
 
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
-from kvserve.kv.backends.disk import preadv_all, pwritev_all
+from kvserve.kv.backends.disk import PAGE, parse_o_direct, preadv_all, pwritev_all
 from kvserve.kv.backends.storage import (
     StorageBackend,
     lower_thread_priority,
@@ -147,6 +161,7 @@ class FsBackend(StorageBackend):
         io_threads: Any = 4,
         sweep: Any = True,
         writeback: Any = True,
+        o_direct: Any = "auto",
     ) -> None:
         root = Path(path).absolute()
         # Instances sharing the root agree on this id (how the router learns who shares).
@@ -187,6 +202,10 @@ class FsBackend(StorageBackend):
         except OSError as e:
             raise OSError(e.errno, f"fs tier: cannot create {self.dir}: {e.strerror}") from e
         del io_threads  # reads run in the caller's thread (the storage worker shards them)
+        # Bytes of a chunk file written with O_DIRECT (the rest, under a page, buffered).
+        self.direct_bytes = self.stored_bytes // PAGE * PAGE
+        self._tls = threading.local()  # each writing thread's page-aligned buffer
+        self.o_direct = self._probe_o_direct(parse_o_direct(o_direct))
         self._nowait = _RWF_NOWAIT != 0  # reads can tell a cached chunk from one that waits
         self._lock = threading.Lock()
         self._used = 0  # bytes in the namespace at the last sweep
@@ -203,9 +222,10 @@ class FsBackend(StorageBackend):
             )
             self._sweeper.start()
         logger.info(
-            "fs tier %s (%s): retention %d bytes, %d bytes held, sweep every %.0f s",
+            "fs tier %s (%s, %s writes): retention %d bytes, %d bytes held, sweep every %.0f s",
             self.dir,
             self.locality,
+            "O_DIRECT" if self.o_direct else "buffered",
             self.size_bytes,
             self._used,
             self.sweep_interval,
@@ -216,6 +236,41 @@ class FsBackend(StorageBackend):
         for i in range(256):
             os.makedirs(f"{self._dir_s}/{i:02x}", exist_ok=True)
         os.makedirs(self._spare_dir, exist_ok=True)
+
+    def _probe_o_direct(self, want: bool | None) -> bool:
+        """Whether chunk files are written with O_DIRECT: proved by one aligned write of a
+        probe file in the namespace (``auto`` falls back to buffered writes where the file
+        system refuses it; ``true`` then raises)."""
+        if want is False or not hasattr(os, "O_DIRECT") or self.direct_bytes == 0:
+            if want:
+                raise ValueError("fs tier: o_direct=true needs O_DIRECT and chunks of a page")
+            return False
+        probe = f"{self._dir_s}/{TMP_PREFIX}probe-{os.getpid()}-{os.urandom(4).hex()}"
+        page = mmap.mmap(-1, PAGE)
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_DIRECT)
+            try:
+                os.pwrite(fd, page, 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if want:
+                msg = f"fs tier: O_DIRECT refused on {self.dir}: {e.strerror}"
+                raise OSError(e.errno, msg) from e
+            logger.info("fs tier %s: O_DIRECT refused (%s): buffered writes", self.dir, e.strerror)
+            return False
+        finally:
+            page.close()
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        return True
+
+    def _bounce(self) -> memoryview:
+        """This thread's page-aligned buffer of :attr:`direct_bytes`."""
+        buf = getattr(self._tls, "bounce", None)
+        if buf is None:
+            buf = self._tls.bounce = memoryview(mmap.mmap(-1, self.direct_bytes))
+        return buf
 
     def path_of(self, key: bytes) -> str:
         """Where chunk ``key`` lives."""
@@ -342,22 +397,29 @@ class FsBackend(StorageBackend):
             f"{os.path.dirname(path)}/{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-"
             f"{os.urandom(4).hex()}"
         )
+        direct = self.o_direct
+        flags = os.O_WRONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
         try:
             if header is None:
                 header = self.codec.header(key, payload)
-            if self._take_spare(tmp):  # an evicted file of the same size, overwritten whole
-                fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+            reused = self._take_spare(tmp)  # an evicted file of the same size, overwritten
+            if reused:
+                fd = os.open(tmp, flags)
             else:
+                flags |= os.O_CREAT | os.O_EXCL
                 try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                    fd = os.open(tmp, flags, 0o644)
                 except FileNotFoundError:  # the namespace was deleted under us: make it again
                     self._make_dirs()
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                    fd = os.open(tmp, flags, 0o644)
         except OSError as e:
             return e
         try:
             try:
-                pwritev_all(fd, [header, payload], 0)
+                if direct:
+                    self._write_direct(fd, header, payload, reused)
+                else:
+                    pwritev_all(fd, [header, payload], 0)
                 _touch(fd)
                 if self.fsync:
                     os.fsync(fd)
@@ -370,6 +432,34 @@ class FsBackend(StorageBackend):
         except OSError as e:
             self._unlink(tmp)
             return e
+
+    def _write_direct(self, fd: int, header: bytes, payload: memoryview, reused: bool) -> None:
+        """Header and payload into ``fd`` (opened with O_DIRECT): the first
+        :attr:`direct_bytes` from this thread's aligned buffer, direct; the tail buffered.
+        A write the file system refuses (EINVAL: it took O_DIRECT at start, not now) is made
+        buffered, and so are the later ones."""
+        n = self.direct_bytes
+        buf = self._bounce()
+        buf[:HEADER_BYTES] = header
+        buf[HEADER_BYTES:n] = payload[: n - HEADER_BYTES]
+        tail = payload[n - HEADER_BYTES :]
+        if reused and len(tail):
+            # Free the old last block: the tail is then appended (a new page, zeroed), never
+            # written into a block the kernel would first have to read.
+            os.ftruncate(fd, n)
+        try:
+            pwritev_all(fd, [buf], 0)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.o_direct = False
+            logger.warning("fs tier %s: O_DIRECT write refused (%s): buffered", self.dir, e)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            pwritev_all(fd, [header, payload], 0)
+            return
+        if len(tail):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            pwritev_all(fd, [tail], n)
 
     def _take_spare(self, tmp: str) -> bool:
         """Move a spare file (an evicted chunk's) to ``tmp``, claiming it: a rename is atomic,
