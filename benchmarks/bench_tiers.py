@@ -335,6 +335,17 @@ def drop_fs_cache(tier, keys: list[bytes]) -> None:
             os.close(fd)
 
 
+def warm_fs_cache(tier, keys: list[bytes]) -> None:
+    """Read the fs tier's files of ``keys`` once, so that the page cache holds them (the
+    tier writes with O_DIRECT where it can: a chunk is cached on a node once a reader there
+    read it, not when it was written)."""
+    buf = bytearray(1 << 20)
+    for k in keys:
+        with open(tier.path_of(k), "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
 def _destination(n: int) -> mmap.mmap:
     """``n`` bytes of page-aligned memory (usable for O_DIRECT), faulted in, as host-tier
     slots are: each chunk read lands in memory of its own, like the tier's staging."""
@@ -511,6 +522,7 @@ class Setup:
                 specs.append(f"fs:path={root / 'fs'},size={size}B")
             elif name == "redis":
                 specs.append(f"redis:url={self.redis.url}")
+            specs[-1] += "".join(f",{o}" for o in self.args.tier_option.get(name, []))
         return specs
 
     def llm(self, tiers: list[str], offload_bytes: int, **kw) -> LLM:
@@ -570,6 +582,8 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
             tier = tier_by_name(llm, name)
             if run.endswith("-cold"):
                 drop_fs_cache(tier, keys)
+            elif name == "fs":
+                warm_fs_cache(tier, keys)
             forget_above_storage(llm)
             before = tier_counts(llm)
             reads.take()
@@ -663,6 +677,8 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
             )
         order = list(kinds)
         rows: dict[str, list[float]] = {k: [] for k in kinds}
+        if name == "fs" and not cold:
+            warm_fs_cache(tier, keys)
         for i in range(args.read_rounds):
             for k in order[i % len(order) :] + order[: i % len(order)]:
                 if cold:  # every read, the tier's and the raw ones, goes to the device
@@ -802,13 +818,15 @@ class WriterVariant:
     ``gap`` (writes paused while the engine computes a step, resumed between steps:
     ``kv_tier_write_pause``), ``duty=F`` (writers held to a duty cycle F,
     ``kv_tier_write_duty``), ``srvidle`` (the local Valkey server's threads under
-    ``SCHED_IDLE`` too: a deployment choice for a server sharing the engine's cores)."""
+    ``SCHED_IDLE`` too: a deployment choice for a server sharing the engine's cores),
+    ``fsbuf`` (the fs tier's writes buffered, as before O_DIRECT: ``use_o_direct``)."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.mode, self.policy, self.gap, self.duty, self.server_idle = (
             "proc", "idle", False, 1.0, False,
         )  # fmt: skip
+        self.fs_buffered = False
         for part in spec.split("+"):
             if part in ("proc", "thread"):
                 self.mode = part
@@ -818,6 +836,8 @@ class WriterVariant:
                 self.gap = True
             elif part == "srvidle":
                 self.server_idle = True
+            elif part == "fsbuf":
+                self.fs_buffered = True
             elif part.startswith("duty="):
                 self.duty = float(part[5:])
             else:
@@ -827,7 +847,9 @@ class WriterVariant:
         """Attach the tiers this way (the engine idle); returns the undo."""
         switch.set(self.mode)
         storage = switch.worker(self.mode)
-        storage.configure_writes(duty=self.duty, policy=self.policy)
+        storage.configure_writes(
+            duty=self.duty, policy=self.policy, fs_o_direct=not self.fs_buffered
+        )
         runner = llm.engine.runner
         execute = runner.execute_model
 
@@ -846,7 +868,7 @@ class WriterVariant:
         def undo() -> None:
             runner.execute_model = execute
             storage.resume_writes()
-            storage.configure_writes(duty=1.0, policy="idle")
+            storage.configure_writes(duty=1.0, policy="idle", fs_o_direct=True)
             if self.server_idle:
                 set_process_policy(server_pid, os.SCHED_OTHER)
 
@@ -1208,6 +1230,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--redis-maxmemory", default="2gb")
+    ap.add_argument(
+        "--tier-option", action="append", default=[], metavar="TIER:KEY=VALUE",
+        help="an option added to every spec of that tier (fs:o_direct=false), repeatable",
+    )  # fmt: skip
     ap.add_argument("--ttft-len", type=int, default=4000)
     ap.add_argument("--reps", type=int, default=3, help="prompts of measurement 1")
     ap.add_argument("--cross-reps", type=int, default=2, help="prompts of measurement 2")
@@ -1224,8 +1250,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument(
         "--decode-variants", nargs="+", default=["proc", "thread"],
         help="writer settings of 4's runs with tiers (first: the headline), each against the "
-        "same detached runs: +-joined proc|thread, idle|nice|normal, gap, duty=F, srvidle "
-        "(WriterVariant)",
+        "same detached runs: +-joined proc|thread, idle|nice|normal, gap, duty=F, srvidle, "
+        "fsbuf (WriterVariant)",
     )  # fmt: skip
     ap.add_argument(
         "--heavy-mb-s", type=float, default=100.0,
@@ -1244,6 +1270,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--out", default=None, help="results basename (default tiers_<preset>)")
     args = ap.parse_args(argv)
+    options: dict[str, list[str]] = {}
+    for opt in args.tier_option:
+        tier, colon, kv = opt.partition(":")
+        if not colon or "=" not in kv or tier not in TIER_ORDER:
+            ap.error(f"--tier-option {opt!r}: expected TIER:KEY=VALUE, TIER one of {TIER_ORDER}")
+        options.setdefault(tier, []).append(kv)
+    args.tier_option = options
     for v in args.decode_variants:
         WriterVariant(v)  # a typo fails now, not after the set-up
     if args.quick:
@@ -1461,9 +1494,10 @@ def report(res: dict, name: str) -> str:
         "(TTFT baseline), then served from disk, from fs (its chunks removed from disk) and "
         "from redis (removed from fs), the primary prefix cache and the host tier emptied "
         "before each run; a lower tier's lookup first asks the tiers above it. `fs` reads "
-        "files the page cache still holds (written moments before, as a chunk another "
-        "instance just wrote); `fs-cold` first writes them back and drops them from the page "
-        "cache, so the read goes to the device.",
+        "files the page cache holds (read once before it: the tier writes with O_DIRECT "
+        "where the file system takes it, so a chunk is cached on a node once a reader there "
+        "read it); `fs-cold` first writes them back and drops them from the page cache, so "
+        "the read goes to the device. The same in 3.",
         "- 2: instances A and B are two engines in one process (own host tiers, storage "
         "workers and tier clients; the same fs directory and Valkey server); B's baseline "
         "recomputes a fresh prompt of the same length.",
@@ -1494,7 +1528,8 @@ def report(res: dict, name: str) -> str:
         "design: a second storage worker on the same tiers), `idle` / `nice` / `normal` = the "
         "writers under `SCHED_IDLE` (the default), nice 19, or as the engine's threads, `gap` "
         "= writes paused while a step's forward runs (`kv_tier_write_pause`), `srvidle` = the "
-        "local Valkey server under `SCHED_IDLE` too. Each chunk is hashed once for all tiers.",
+        "local Valkey server under `SCHED_IDLE` too, `fsbuf` = the fs tier's writes buffered "
+        "(the page cache, as before O_DIRECT writes). Each chunk is hashed once for all tiers.",
         "- 4c: no model: the main thread counts iterations of a pure-Python loop (what the "
         "engine thread does between torch calls) while a feeder thread submits chunks from a "
         "host tier in shared memory at a fixed rate to a storage worker over disk + fs + "

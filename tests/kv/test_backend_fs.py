@@ -139,6 +139,14 @@ def test_o_direct_writes_bypass_the_page_cache(make, tmp_path: Path) -> None:
     assert direct.get(keys[2:], outs) == [True] * 8
     assert [bytes(o) for o in outs] == [bytes(p) for p in payloads[2:]]
     assert files(tmp_path / "direct")[1] == [] and direct.stats.errors == 0
+    direct.use_o_direct(False)  # buffered on demand (benchmarks compare both in one run)
+    more, more_payloads = chunks(1, seed=9)
+    assert direct.put(more, more_payloads) == [True]
+    assert cached_pages(direct.path_of(more[0])) == [True] * pages
+    direct.use_o_direct(True)
+    assert direct.o_direct == o_direct_works(tmp_path)
+    buffered.use_o_direct(True)  # never where the tier found it unusable or was told not to
+    assert buffered.o_direct is False
 
 
 def test_o_direct_refused_falls_back_to_buffered_writes(make, mount_fs) -> None:

@@ -205,7 +205,8 @@ class FsBackend(StorageBackend):
         # Bytes of a chunk file written with O_DIRECT (the rest, under a page, buffered).
         self.direct_bytes = self.stored_bytes // PAGE * PAGE
         self._tls = threading.local()  # each writing thread's page-aligned buffer
-        self.o_direct = self._probe_o_direct(parse_o_direct(o_direct))
+        self._o_direct_ok = self._probe_o_direct(parse_o_direct(o_direct))
+        self.o_direct = self._o_direct_ok
         self._nowait = _RWF_NOWAIT != 0  # reads can tell a cached chunk from one that waits
         self._lock = threading.Lock()
         self._used = 0  # bytes in the namespace at the last sweep
@@ -264,6 +265,11 @@ class FsBackend(StorageBackend):
             with contextlib.suppress(OSError):
                 os.unlink(probe)
         return True
+
+    def use_o_direct(self, on: bool) -> None:
+        """Write buffered from now on (False), or with O_DIRECT again where the tier found it
+        usable (True): benchmarks compare both in one run."""
+        self.o_direct = on and self._o_direct_ok
 
     def _bounce(self) -> memoryview:
         """This thread's page-aligned buffer of :attr:`direct_bytes`."""
@@ -452,7 +458,7 @@ class FsBackend(StorageBackend):
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            self.o_direct = False
+            self.o_direct = self._o_direct_ok = False
             logger.warning("fs tier %s: O_DIRECT write refused (%s): buffered", self.dir, e)
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             pwritev_all(fd, [header, payload], 0)

@@ -399,9 +399,20 @@ class StorageWorker:
         if self.writer is not None:
             self.writer.resume()
 
-    def configure_writes(self, *, duty: float | None = None, policy: str | None = None) -> None:
-        """Change the writers' duty cycle or scheduling policy while running (benchmarks);
-        thread writers take a new policy in their next write."""
+    def configure_writes(
+        self,
+        *,
+        duty: float | None = None,
+        policy: str | None = None,
+        fs_o_direct: bool | None = None,
+    ) -> None:
+        """Change the writers' duty cycle or scheduling policy while running, or whether fs
+        tiers write with O_DIRECT where they can (benchmarks); thread writers take a new
+        policy in their next write."""
+        if fs_o_direct is not None:
+            for tier in self.tiers:
+                if hasattr(tier, "use_o_direct"):
+                    tier.use_o_direct(fs_o_direct)
         if duty is not None:
             if not 0.0 < duty <= 1.0:
                 raise ValueError(f"write_duty must be in (0, 1], got {duty!r}")
@@ -411,7 +422,7 @@ class StorageWorker:
         if policy is not None:
             self._policy = policy
         if self.writer is not None:
-            self.writer.configure(duty=duty, policy=policy)
+            self.writer.configure(duty=duty, policy=policy, fs_o_direct=fs_o_direct)
 
     def _paced(self) -> None:
         """Wait for the gate and the duty cycle before writing a chunk (writer threads)."""

@@ -155,10 +155,18 @@ class WriterProcess:
             return False
         return True
 
-    def configure(self, *, duty: float | None = None, policy: str | None = None) -> None:
-        """Change the writer's duty cycle or its threads' scheduling policy (benchmarks)."""
+    def configure(
+        self,
+        *,
+        duty: float | None = None,
+        policy: str | None = None,
+        fs_o_direct: bool | None = None,
+    ) -> None:
+        """Change the writer's duty cycle, its threads' scheduling policy, or whether its fs
+        tiers write with O_DIRECT where they can (benchmarks: the same run compares both)."""
+        msg = {"set": {"duty": duty, "policy": policy, "fs_o_direct": fs_o_direct}}
         with contextlib.suppress(OSError):
-            self._sock.sendall(json.dumps({"set": {"duty": duty, "policy": policy}}).encode())
+            self._sock.sendall(json.dumps(msg).encode())
 
     def pause(self) -> None:
         self._ctrl[0] = 1
@@ -264,11 +272,15 @@ class _Writer:
         self._pace = threading.Lock()
         self._write_at = 0.0
 
-    def configure(self, duty: float | None, policy: str | None) -> None:
+    def configure(self, duty: float | None, policy: str | None, fs_o_direct: bool | None) -> None:
         if duty is not None:
             self.duty = float(duty)
         if policy is not None:
             set_process_policy(policy)
+        if fs_o_direct is not None:
+            for tier in self.tiers:
+                if hasattr(tier, "use_o_direct"):
+                    tier.use_o_direct(bool(fs_o_direct))
 
     def _wait_resumed(self) -> None:
         """While the engine pauses writes (a step computes), at most ``PAUSE_BOUND_S``."""
@@ -374,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             msg = json.loads(data)
             if "set" in msg:
-                writer.configure(msg["set"].get("duty"), msg["set"].get("policy"))
+                opts = msg["set"]
+                writer.configure(opts.get("duty"), opts.get("policy"), opts.get("fs_o_direct"))
                 continue
             pool.submit(writer.run, msg)
     finally:
