@@ -819,14 +819,15 @@ class WriterVariant:
     ``kv_tier_write_pause``), ``duty=F`` (writers held to a duty cycle F,
     ``kv_tier_write_duty``), ``srvidle`` (the local Valkey server's threads under
     ``SCHED_IDLE`` too: a deployment choice for a server sharing the engine's cores),
-    ``fsbuf`` (the fs tier's writes buffered, as before O_DIRECT: ``use_o_direct``)."""
+    ``fsbuf`` / ``fsdirect`` (the fs tier's writes buffered / with O_DIRECT where the file
+    system takes it, whatever its ``o_direct`` option: ``use_o_direct``)."""
 
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.mode, self.policy, self.gap, self.duty, self.server_idle = (
             "proc", "idle", False, 1.0, False,
         )  # fmt: skip
-        self.fs_buffered = False
+        self.fs_o_direct: bool | None = None  # None: as the fs tier's option says
         for part in spec.split("+"):
             if part in ("proc", "thread"):
                 self.mode = part
@@ -836,8 +837,8 @@ class WriterVariant:
                 self.gap = True
             elif part == "srvidle":
                 self.server_idle = True
-            elif part == "fsbuf":
-                self.fs_buffered = True
+            elif part in ("fsbuf", "fsdirect"):
+                self.fs_o_direct = part == "fsdirect"
             elif part.startswith("duty="):
                 self.duty = float(part[5:])
             else:
@@ -847,9 +848,9 @@ class WriterVariant:
         """Attach the tiers this way (the engine idle); returns the undo."""
         switch.set(self.mode)
         storage = switch.worker(self.mode)
-        storage.configure_writes(
-            duty=self.duty, policy=self.policy, fs_o_direct=not self.fs_buffered
-        )
+        fs = [t for t in llm.engine.connector.tiers if t.name == "fs"]
+        configured = fs[0].o_direct if fs else None
+        storage.configure_writes(duty=self.duty, policy=self.policy, fs_o_direct=self.fs_o_direct)
         runner = llm.engine.runner
         execute = runner.execute_model
 
@@ -868,7 +869,8 @@ class WriterVariant:
         def undo() -> None:
             runner.execute_model = execute
             storage.resume_writes()
-            storage.configure_writes(duty=1.0, policy="idle", fs_o_direct=True)
+            restore = None if self.fs_o_direct is None else configured
+            storage.configure_writes(duty=1.0, policy="idle", fs_o_direct=restore)
             if self.server_idle:
                 set_process_policy(server_pid, os.SCHED_OTHER)
 
@@ -1251,7 +1253,7 @@ def parse_args(argv: list[str] | None = None):
         "--decode-variants", nargs="+", default=["proc", "thread"],
         help="writer settings of 4's runs with tiers (first: the headline), each against the "
         "same detached runs: +-joined proc|thread, idle|nice|normal, gap, duty=F, srvidle, "
-        "fsbuf (WriterVariant)",
+        "fsbuf, fsdirect (WriterVariant)",
     )  # fmt: skip
     ap.add_argument(
         "--heavy-mb-s", type=float, default=100.0,
@@ -1528,8 +1530,9 @@ def report(res: dict, name: str) -> str:
         "design: a second storage worker on the same tiers), `idle` / `nice` / `normal` = the "
         "writers under `SCHED_IDLE` (the default), nice 19, or as the engine's threads, `gap` "
         "= writes paused while a step's forward runs (`kv_tier_write_pause`), `srvidle` = the "
-        "local Valkey server under `SCHED_IDLE` too, `fsbuf` = the fs tier's writes buffered "
-        "(the page cache, as before O_DIRECT writes). Each chunk is hashed once for all tiers.",
+        "local Valkey server under `SCHED_IDLE` too, `fsbuf` / `fsdirect` = the fs tier's "
+        "writes buffered (through the page cache) / with O_DIRECT. Each chunk is hashed once "
+        "for all tiers.",
         "- 4c: no model: the main thread counts iterations of a pure-Python loop (what the "
         "engine thread does between torch calls) while a feeder thread submits chunks from a "
         "host tier in shared memory at a fixed rate to a storage worker over disk + fs + "

@@ -109,12 +109,12 @@ def cached_pages(path: str | Path) -> list[bool]:
 
 
 def test_o_direct_writes_bypass_the_page_cache(make, tmp_path: Path) -> None:
-    """``auto``: chunk files are written with O_DIRECT where the file system takes it (ext4
-    here): the same bytes as a buffered write (header + payload; the last partial page
+    """``o_direct=auto``: chunk files are written with O_DIRECT where the file system takes
+    it (ext4 here): the same bytes as a buffered write (header + payload; the last partial page
     buffered), the chunk's pages not left in the page cache, where a buffered tier's stay;
     a spare file (an evicted chunk's) is overwritten the same way and reads back verified."""
-    direct = make(root=tmp_path / "direct", chunks=8)
-    buffered = make(root=tmp_path / "buffered", o_direct="false")
+    direct = make(root=tmp_path / "direct", chunks=8, o_direct="auto")
+    buffered = make(root=tmp_path / "buffered")  # the default: buffered
     assert direct.o_direct == o_direct_works(tmp_path) and buffered.o_direct is False
     assert direct.direct_bytes == STORED // 4096 * 4096 < STORED  # a tail to write buffered
     keys, payloads = chunks(10, seed=7)
@@ -145,14 +145,16 @@ def test_o_direct_writes_bypass_the_page_cache(make, tmp_path: Path) -> None:
     assert cached_pages(direct.path_of(more[0])) == [True] * pages
     direct.use_o_direct(True)
     assert direct.o_direct == o_direct_works(tmp_path)
-    buffered.use_o_direct(True)  # never where the tier found it unusable or was told not to
-    assert buffered.o_direct is False
+    buffered.use_o_direct(True)
+    assert buffered.o_direct == o_direct_works(tmp_path)
 
 
 def test_o_direct_refused_falls_back_to_buffered_writes(make, mount_fs) -> None:
     """ramfs refuses O_DIRECT: ``auto`` writes buffered, ``true`` is a clear error."""
     d = mount_fs("ramfs")
-    b = make(root=d / "auto")
+    b = make(root=d / "auto", o_direct="auto")
+    assert b.o_direct is False
+    b.use_o_direct(True)  # never where the file system refused it
     assert b.o_direct is False
     keys, payloads = chunks(3, seed=8)
     assert b.put(keys, payloads) == [True] * 3

@@ -13,19 +13,21 @@ torn one), ``locality`` (``LOCAL``, or ``REMOTE`` for NFS and other network file
 writer process, retention moves there with the writes: the engine's instance stops sweeping),
 ``writeback`` (default true: the writing thread starts each file's writeback itself,
 ``sync_file_range``, so that the kernel's flusher threads, which run at normal priority beside
-the engine, have nothing left to do for it), ``o_direct`` (``auto``, the default: chunk files
-are written with O_DIRECT where the file system takes it, else buffered; ``true``: required;
-``false``: buffered, the pages staying cached for readers on this node).
-O_DIRECT: a buffered write copies every chunk into the page cache and the writeback reads it
-again (two passes over memory per stored byte, plus the kernel's page-cache work), on a
-machine whose cores a CPU engine keeps busy and whose memory bandwidth its decode needs; the
-chunk's bytes are already cached where they matter (this instance's host tier). What it
+the engine, have nothing left to do for it), ``o_direct`` (``false``, the default: buffered
+writes, the pages staying cached for readers on this node; ``auto``: chunk files written with
+O_DIRECT where the file system takes it, else buffered; ``true``: O_DIRECT required).
+O_DIRECT skips the page cache: a buffered write copies each chunk into it and the writeback
+reads it again (two passes over memory per stored byte), and the cache grows with every
+chunk written although the chunk is cached where it matters (the writer's host tier). What it
 costs: an instance on the same node reads another's fresh chunk from the device, not from
-memory (``fs-cold`` in ``benchmarks/bench_tiers.py``); instances on other nodes of a network
-file system never had the writer's page cache. The file format is unchanged: the header and
-the payload's first bytes, a whole number of pages, are copied into a page-aligned buffer of
-the writing thread and written direct; the payload's last ``stored_bytes % 4096`` bytes are
-written buffered (the file's last page, appended: no read-modify-write of a block).
+memory (``fs-cold`` vs ``fs`` in ``benchmarks/bench_tiers.py``); instances on other nodes of
+a network file system never had the writer's page cache. Measured on a 2-vCPU VM (ext4, a
+100 MB/s stream beside a CPU decode): no difference in the decode's speed and none in the
+writer's CPU (ext4's inode allocation dominates it), hence off by default. The file format
+is unchanged: the header and the payload's first bytes, a whole number of pages, are copied
+into a page-aligned buffer of the writing thread and written direct; the payload's last
+``stored_bytes % 4096`` bytes are written buffered (the file's last page, appended: no
+read-modify-write of a block).
 Reads and writes run in the caller's thread, one file after the other: the storage worker owns
 the concurrency (its I/O threads each read one contiguous shard of a staging read); the
 ``io_threads`` option is accepted for old configurations and ignored. A read first takes what
@@ -161,7 +163,7 @@ class FsBackend(StorageBackend):
         io_threads: Any = 4,
         sweep: Any = True,
         writeback: Any = True,
-        o_direct: Any = "auto",
+        o_direct: Any = False,
     ) -> None:
         root = Path(path).absolute()
         # Instances sharing the root agree on this id (how the router learns who shares).
@@ -205,8 +207,9 @@ class FsBackend(StorageBackend):
         # Bytes of a chunk file written with O_DIRECT (the rest, under a page, buffered).
         self.direct_bytes = self.stored_bytes // PAGE * PAGE
         self._tls = threading.local()  # each writing thread's page-aligned buffer
-        self._o_direct_ok = self._probe_o_direct(parse_o_direct(o_direct))
-        self.o_direct = self._o_direct_ok
+        want = parse_o_direct(o_direct)
+        self._o_direct_ok = self._probe_o_direct(want)  # usable here (use_o_direct)
+        self.o_direct = self._o_direct_ok and want is not False
         self._nowait = _RWF_NOWAIT != 0  # reads can tell a cached chunk from one that waits
         self._lock = threading.Lock()
         self._used = 0  # bytes in the namespace at the last sweep
@@ -239,10 +242,10 @@ class FsBackend(StorageBackend):
         os.makedirs(self._spare_dir, exist_ok=True)
 
     def _probe_o_direct(self, want: bool | None) -> bool:
-        """Whether chunk files are written with O_DIRECT: proved by one aligned write of a
-        probe file in the namespace (``auto`` falls back to buffered writes where the file
-        system refuses it; ``true`` then raises)."""
-        if want is False or not hasattr(os, "O_DIRECT") or self.direct_bytes == 0:
+        """Whether chunk files can be written with O_DIRECT here: proved by one aligned
+        write of a probe file in the namespace (``auto`` falls back to buffered writes where
+        the file system refuses it; ``true`` then raises)."""
+        if not hasattr(os, "O_DIRECT") or self.direct_bytes == 0:
             if want:
                 raise ValueError("fs tier: o_direct=true needs O_DIRECT and chunks of a page")
             return False
@@ -258,7 +261,8 @@ class FsBackend(StorageBackend):
             if want:
                 msg = f"fs tier: O_DIRECT refused on {self.dir}: {e.strerror}"
                 raise OSError(e.errno, msg) from e
-            logger.info("fs tier %s: O_DIRECT refused (%s): buffered writes", self.dir, e.strerror)
+            if want is None:
+                logger.info("fs tier %s: O_DIRECT refused (%s): buffered", self.dir, e.strerror)
             return False
         finally:
             page.close()
@@ -267,8 +271,9 @@ class FsBackend(StorageBackend):
         return True
 
     def use_o_direct(self, on: bool) -> None:
-        """Write buffered from now on (False), or with O_DIRECT again where the tier found it
-        usable (True): benchmarks compare both in one run."""
+        """Write buffered from now on (False), or with O_DIRECT where the tier found it
+        usable (True), whatever the ``o_direct`` option said: benchmarks compare both in one
+        run."""
         self.o_direct = on and self._o_direct_ok
 
     def _bounce(self) -> memoryview:
