@@ -249,6 +249,10 @@ class ServerConfig:
     timeout_keep_alive: float = 5.0  # seconds an idle keep-alive connection stays open
     timeout_request_header: float = 10.0  # seconds a request's header may take to arrive
     tokenizer_workers: int = 1  # processes tokenizing large prompts off the loop (0: inline)
+    # The engine steps in a process of its own (vLLM v1's EngineCore), not on a thread of the
+    # HTTP server's process: no step waits for the event loop's GIL. Data-parallel ranks are
+    # processes already and keep the thread.
+    engine_process: bool = True
 
 
 @dataclass

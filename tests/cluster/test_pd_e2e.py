@@ -11,7 +11,6 @@ engines hold no request, no block, no lease and no pull (their /metrics)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import time
@@ -131,7 +130,7 @@ class PDCluster:
         self._router.__exit__(*exc)
         for p in (self.prefill, self.decode):
             if p.proc.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
+                p.signal_all(signal.SIGCONT)
             p.stop()
 
     def complete(self, prompt: list[int], max_tokens: int = 16, stream: bool = False):

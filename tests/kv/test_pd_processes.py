@@ -11,7 +11,6 @@ both engines' pools and leases are back to baseline (read from /metrics).
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
@@ -71,7 +70,7 @@ def processes(tiny_model_dir: Path):
     yield start
     for p in started:
         if p.proc.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
+            p.signal_all(signal.SIGCONT)
         p.stop()
 
 
@@ -250,7 +249,7 @@ def test_producer_stopped_decode_recomputes_in_bounded_time(processes, consumer,
     body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
     prod = processes("--kv-role", "producer", "--kv-lease-timeout", "600")
     params = prefill_leg(prod.url, body)
-    os.kill(prod.pid, signal.SIGSTOP)
+    prod.signal_all(signal.SIGSTOP)
     t0 = time.monotonic()
     resp = decode_leg(consumer.url, body, params)
     waited = time.monotonic() - t0
@@ -258,7 +257,7 @@ def test_producer_stopped_decode_recomputes_in_bounded_time(processes, consumer,
     assert resp["choices"][0]["text"] == reference_text(reference, prompt, 16)
     assert resp["usage"]["kvserve"]["cached_tokens_offload"] == 0
     wait_baseline(consumer.url)
-    os.kill(prod.pid, signal.SIGCONT)
+    prod.signal_all(signal.SIGCONT)
     m = wait_baseline(prod.url, timeout=60)
     assert m["pd_leases_pulled"] == 1 and m["pd_leases_expired"] == 0
 
@@ -273,7 +272,7 @@ def test_client_gone_while_pulling_releases_both_sides(processes) -> None:
     prod = processes("--kv-role", "producer", "--kv-lease-timeout", "600")
     cons = processes("--kv-role", "consumer", "--kv-transfer-timeout", "120")
     params = prefill_leg(prod.url, body)
-    os.kill(prod.pid, signal.SIGSTOP)
+    prod.signal_all(signal.SIGSTOP)
     leg = dict(body, stream=True, kv_transfer_params=params)
     url = cons.url + "/v1/completions"
     # Leaving the block closes the connection mid-stream.
@@ -288,7 +287,7 @@ def test_client_gone_while_pulling_releases_both_sides(processes) -> None:
     m = wait_baseline(cons.url, timeout=60)
     assert time.monotonic() - t0 < 30
     assert m["pd_pulls_failed"] == 1
-    os.kill(prod.pid, signal.SIGCONT)
+    prod.signal_all(signal.SIGCONT)
     m = wait_baseline(prod.url, timeout=60)
     assert m["pd_leases_pulled"] == 1 and m["pd_leases_expired"] == 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -151,6 +152,23 @@ class ServeProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def children(self) -> list[int]:
+        """Pids of the server's child processes (its engine core among them)."""
+        out: list[int] = []
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                out += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+        return out
+
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to the server and its children: SIGSTOP freezes the whole engine (its
+        core process too), SIGCONT resumes it."""
+        for pid in [self.pid, *self.children()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

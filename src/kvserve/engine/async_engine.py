@@ -159,6 +159,33 @@ class AsyncEngine:
     def num_steps(self) -> int:
         return self._num_steps
 
+    # What the server reads of the engine (the engine-core client has the same attributes).
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def has_connector(self) -> bool:
+        return getattr(self.engine, "connector", None) is not None
+
+    @property
+    def expert_load_source(self) -> Any:
+        """The model when it counts tokens per expert (MoE metrics), else None."""
+        model = getattr(getattr(self.engine, "runner", None), "model", None)
+        return model if hasattr(model, "expert_load") else None
+
     def stats(self) -> Any:
         """The latest ``engine.get_stats()`` snapshot, taken in the engine thread."""
         return self._stats

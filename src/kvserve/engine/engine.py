@@ -83,7 +83,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         self.runner = runner if runner is not None else ModelRunner(config)
         mc = self.runner.model_config
-        self.model_name = config.served_model_name or _dir_name(config.model)
+        self.model_name = config.served_model_name or dir_name(config.model)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         block_bytes = self.runner.kv_block_bytes()
         if config.num_kv_blocks is not None:
@@ -422,7 +422,8 @@ def _partial_stop_len(text: str, stops: list[str]) -> int:
     return best
 
 
-def _dir_name(path: str) -> str:
+def dir_name(path: str) -> str:
+    """The served model name a model directory gets by default (its last path part)."""
     from pathlib import Path
 
     return Path(path).resolve().name

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.core_client import EngineClient
 from kvserve.server.errors import APIError, bad_request
 
 RETRY_AFTER_S = 1
@@ -36,7 +36,7 @@ class Ticket:
 
 
 class AdmissionControl:
-    def __init__(self, engine: AsyncEngine, max_running: int, max_waiting: int) -> None:
+    def __init__(self, engine: EngineClient, max_running: int, max_waiting: int) -> None:
         self.engine = engine
         self.capacity = max_running + max(0, max_waiting)
         self.admitting = 0  # sequences of requests admitted, not yet added to the engine

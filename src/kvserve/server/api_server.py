@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kvserve
 from kvserve.config import ServerConfig
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.core_client import EngineClient
 from kvserve.server.admission import AdmissionControl
 from kvserve.server.auth import ApiKeyMiddleware
 from kvserve.server.errors import APIError
@@ -185,13 +185,12 @@ def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
-    """The app serving ``engine``; starts the engine thread on startup (idempotent)."""
+def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastAPI:
+    """The app serving ``engine`` (on a thread of this process, or in an engine-core process);
+    starts the engine thread on startup (idempotent)."""
     config = config or ServerConfig()
-    llm = engine.engine
-    metrics = ServerMetrics(
-        llm.model_name, engine.stats, getattr(llm, "connector", None) is not None
-    )
+    llm = engine
+    metrics = ServerMetrics(llm.model_name, engine.stats, engine.has_connector)
     limits = RequestLimits.from_config(config)
     tokenizer_dir = llm.config.tokenizer or llm.config.model
     tokenizers = TokenizerPool.acquire(llm.tokenizer, tokenizer_dir, config.tokenizer_workers)

@@ -22,6 +22,7 @@ from kvserve.config import (
     ServerConfig,
     add_dataclass_args,
     from_args,
+    replace,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.async_engine import AsyncEngine
-    from kvserve.engine.engine import LLMEngine
+    from kvserve.engine.core_client import EngineClient, EngineCoreClient
+    from kvserve.engine.engine import LLMEngine, dir_name
     from kvserve.server.api_server import build_app
     from kvserve.server.auth import resolve_api_keys
     from kvserve.server.http_protocol import uvicorn_config
@@ -119,15 +121,29 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(server_config.host, server_config.port)
     port = sock.getsockname()[1]
 
-    if dp_rank is None:
-        engine = LLMEngine(engine_config)
-    else:
-        engine = data_parallel.build_rank_engine(engine_config, parallel)
-    async_engine = AsyncEngine(engine)
     publisher = None
-    if engine_config.kv_events_endpoint:
+    async_engine: EngineClient
+    if dp_rank is None and server_config.engine_process:
+        if engine_config.kv_events_endpoint and not engine_config.kv_events_topic:
+            name = engine_config.served_model_name or dir_name(engine_config.model)
+            engine_config = replace(
+                engine_config,
+                kv_events_topic=f"kv@{_advertised_host(server_config.host)}:{port}@{name}",
+            )
+        try:
+            async_engine = EngineCoreClient(engine_config, log_level=server_config.log_level)
+        except RuntimeError as e:
+            print(f"kvserve serve: {e}", file=sys.stderr)
+            sock.close()
+            return 1
+    elif dp_rank is None:
+        async_engine = AsyncEngine(LLMEngine(engine_config))
+    else:
+        async_engine = AsyncEngine(data_parallel.build_rank_engine(engine_config, parallel))
+    if engine_config.kv_events_endpoint and isinstance(async_engine, AsyncEngine):
         from kvserve.kv.event_publisher import ZmqEventPublisher
 
+        engine = async_engine.engine
         topic = engine_config.kv_events_topic or (
             f"kv@{_advertised_host(server_config.host)}:{port}@{engine.model_name}"
         )
@@ -144,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
 
     server_config.api_key = resolve_api_keys(server_config.api_key)
     app = build_app(async_engine, server_config)
-    register_expert_metrics(app.state.metrics.registry, engine.runner.model, engine.model_name)
+    expert_load = async_engine.expert_load_source
+    if expert_load is not None:
+        register_expert_metrics(app.state.metrics.registry, expert_load, async_engine.model_name)
     if dp_rank is not None:
         data_parallel.watch_rank(async_engine, dp_rank)
         if dp_rank == 0:
@@ -165,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     print(
-        f"kvserve: serving {engine.model_name!r} on http://{server_config.host}:{port}"
+        f"kvserve: serving {async_engine.model_name!r} on http://{server_config.host}:{port}"
         + (" (API key required)" if server_config.api_key else ""),
         file=sys.stderr,
         flush=True,

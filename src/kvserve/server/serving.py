@@ -22,7 +22,8 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from kvserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvserve.engine.async_engine import EngineDeadError, RequestStream
+from kvserve.engine.core_client import EngineClient
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.server import tokenizer_worker as jobs
@@ -170,7 +171,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: ServerMetrics,
         tokenizers: TokenizerPool,
         admission: AdmissionControl,
@@ -181,10 +182,9 @@ class OpenAIServing:
         self.tokenizers = tokenizers
         self.admission = admission
         self.max_prompt_chars = max_prompt_chars
-        llm = engine.engine
-        self.tokenizer = llm.tokenizer
-        self.model_name: str = llm.model_name
-        self.max_model_len: int = llm.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
 
     # -- validation -----------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
