@@ -189,14 +189,17 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
     """The app serving ``engine`` (on a thread of this process, or in an engine-core process);
     starts the engine thread on startup (idempotent)."""
     config = config or ServerConfig()
-    llm = engine
-    metrics = ServerMetrics(llm.model_name, engine.stats, engine.has_connector)
+    metrics = ServerMetrics(engine.model_name, engine.stats, engine.has_connector)
     limits = RequestLimits.from_config(config)
-    tokenizer_dir = llm.config.tokenizer or llm.config.model
-    tokenizers = TokenizerPool.acquire(llm.tokenizer, tokenizer_dir, config.tokenizer_workers)
-    admission = AdmissionControl(engine, llm.config.max_num_seqs, config.max_waiting_requests)
+    tokenizer_dir = engine.config.tokenizer or engine.config.model
+    tokenizers = TokenizerPool.acquire(engine.tokenizer, tokenizer_dir, config.tokenizer_workers)
+    admission = AdmissionControl(engine, engine.config.max_num_seqs, config.max_waiting_requests)
     serving = OpenAIServing(
-        engine, metrics, tokenizers, admission, max_prompt_chars(llm.tokenizer, llm.max_model_len)
+        engine,
+        metrics,
+        tokenizers,
+        admission,
+        max_prompt_chars(engine.tokenizer, engine.max_model_len),
     )
 
     @asynccontextmanager
@@ -271,7 +274,7 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
         return await generate(
             request,
             CompletionRequest,
-            lambda d: limits.check_completion(d, llm.max_model_len),
+            lambda d: limits.check_completion(d, engine.max_model_len),
             serving.create_completion,
         )
 
@@ -289,7 +292,9 @@ def build_app(engine: EngineClient, config: ServerConfig | None = None) -> FastA
 
     @app.get("/v1/models", response_model=ModelList, responses={401: _GENERATION_ERRORS[401]})
     async def list_models() -> ModelList:
-        card = ModelCard(id=llm.model_name, root=llm.config.model, max_model_len=llm.max_model_len)
+        card = ModelCard(
+            id=engine.model_name, root=engine.config.model, max_model_len=engine.max_model_len
+        )
         return ModelList(data=[card])
 
     @app.get(
