@@ -148,6 +148,35 @@ def test_typed_buffers_and_real_chunk_size(make_redis_backend):
         assert np.array_equal(s.view(np.uint16), d.view(np.uint16))
 
 
+def test_a_store_sends_the_caller_buffer_unjoined(make_redis_backend):
+    """A pipelined SET of chunks goes to the socket with each payload as the caller's own
+    buffer (a view of it, no copy): redis-py's pipeline keeps such pieces apart, and no piece
+    of the packed pipeline is a new object of a chunk's size (a joined header + payload would
+    be one more pass over memory per stored byte)."""
+    size = 2 * MiB
+    b = make_redis_backend(codec(size))
+    keys, payloads = chunks(3, size)
+    conn = b._pool.get_connection()
+    try:
+        packed = conn.pack_commands(
+            [
+                ("SET", b.server_key(k), b._value(k, p, None), "NX")
+                for k, p in zip(keys, payloads, strict=True)
+            ]
+        )
+    finally:
+        b._pool.release(conn)
+    big = [piece for piece in packed if len(piece) >= size]
+    assert len(big) == 3 and all(isinstance(piece, memoryview) for piece in big)
+    assert [piece.obj for piece in big] == [p.obj for p in payloads]  # the callers' buffers
+    assert sum(len(piece) for piece in packed) < 3 * (size + HEADER_BYTES + 200)
+    assert b.put(keys, payloads) == [True] * 3
+    got = outs(3, size)
+    assert b.get(keys, got) == [True] * 3 and [bytes(g) for g in got] == [
+        bytes(p) for p in payloads
+    ]
+
+
 def test_models_and_layouts_do_not_see_each_other(make_redis_backend):
     keys, payloads = chunks(2)
     a = make_redis_backend(codec())
