@@ -1244,7 +1244,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--decode-tiers", nargs="+", default=list(TIER_ORDER), help="tiers of 4")
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--decode-prompt-len", type=int, default=64)
-    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument(
+        "--decode-tokens", type=int, default=256,
+        help="tokens per decode of 4 (shorter runs end before a starved SCHED_IDLE writer wrote)",
+    )  # fmt: skip
     ap.add_argument("--decode-prefills", type=int, default=4)
     ap.add_argument("--decode-prefill-len", type=int, default=1024)
     ap.add_argument("--decode-batched-tokens", type=int, default=512)
