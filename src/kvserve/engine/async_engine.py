@@ -53,7 +53,7 @@ class RequestStream:
     Leaving the iteration early (``aclose()``, cancellation) aborts the request.
     """
 
-    def __init__(self, engine: AsyncEngine, stream: _Stream) -> None:
+    def __init__(self, engine: StreamingEngine, stream: _Stream) -> None:
         self._engine = engine
         self._stream = stream
         self.finished = False
@@ -107,7 +107,63 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
     )
 
 
-class AsyncEngine:
+class StreamingEngine:
+    """What both engine facades share (:class:`AsyncEngine` here, the engine-core client in
+    :mod:`kvserve.engine.core_client`): waiting for a request's acceptance, ``generate`` and
+    aborts by id. Subclasses implement ``add_request`` and ``_abort_nowait``."""
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        raise NotImplementedError
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    async def _accepted(self, stream: _Stream) -> RequestStream:
+        """The handle of a queued request once the engine accepted it (its error if not)."""
+        handle = RequestStream(self, stream)
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            handle.abort()
+            raise
+        except BaseException:
+            handle.finished = True
+            raise
+        return handle
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early aborts it."""
+        stream = await self.add_request(
+            request_id, prompt, params, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its stream ends with an abort."""
+        self._abort_nowait([request_id])
+
+
+class AsyncEngine(StreamingEngine):
     """Thread-backed asyncio facade of an :class:`LLMEngine`."""
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -222,39 +278,7 @@ class AsyncEngine:
                 ("add", (request_id, prompt, params, cache_salt, kv_transfer_params))
             )
             self._cond.notify()
-        handle = RequestStream(self, stream)
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            handle.abort()
-            raise
-        except BaseException:
-            handle.finished = True
-            raise
-        return handle
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; leaving early aborts it."""
-        stream = await self.add_request(
-            request_id, prompt, params, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if unknown or finished); its stream ends with an abort."""
-        self._abort_nowait([request_id])
+        return await self._accepted(stream)
 
     def _abort_nowait(self, request_ids: list[str]) -> None:
         with self._cond:

@@ -36,6 +36,7 @@ from kvserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     RequestStream,
+    StreamingEngine,
     _call,
     _deliver,
     _fail_stream,
@@ -119,7 +120,7 @@ class _ExpertLoad:
         return self._client._expert_load or {}
 
 
-class EngineCoreClient:
+class EngineCoreClient(StreamingEngine):
     """Asyncio facade of an engine-core process (the interface of :class:`AsyncEngine`).
 
     The constructor starts the process and returns once its engine is built (raising
@@ -293,39 +294,7 @@ class EngineCoreClient:
             self._send(msg)
             self._streams[request_id] = stream
             self._states[request_id] = _OutputState(text, prompt_ids)
-        handle = RequestStream(self, stream)  # type: ignore[arg-type]
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            handle.abort()
-            raise
-        except BaseException:
-            handle.finished = True
-            raise
-        return handle
-
-    async def generate(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ):
-        """Yield the request's outputs until it finishes; leaving early aborts it."""
-        stream = await self.add_request(
-            request_id, prompt, params, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request (no-op if unknown or finished); its stream ends with an abort."""
-        self._abort_nowait([request_id])
+        return await self._accepted(stream)
 
     def _abort_nowait(self, request_ids: list[str]) -> None:
         with self._lock:
