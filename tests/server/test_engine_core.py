@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.sampling_params import SamplingParams
-from tests.server.conftest import start_serve_process
+from tests.server.conftest import engine_config, start_serve_process
 
 PROMPTS: list[str | list[int]] = [
     "The quick brown fox jumps over the lazy dog because",
@@ -30,9 +30,7 @@ PROMPTS: list[str | list[int]] = [
 
 
 def _config(model_dir: Path, **overrides) -> EngineConfig:
-    kw = dict(model=str(model_dir), num_kv_blocks=64, max_model_len=256, max_num_seqs=8)
-    kw.update(overrides)
-    return EngineConfig(**kw)
+    return engine_config(model_dir, **{"max_num_seqs": 8, **overrides})
 
 
 def _alive(pid: int) -> bool:

@@ -78,7 +78,7 @@ class _OutputState:
         self.text = ""
         self.logprobs: list[dict[int, float]] = []
 
-    def apply(self, o: CoreOutput, request_id: str) -> RequestOutput:
+    def apply(self, o: CoreOutput) -> RequestOutput:
         self.token_ids.extend(o.new_token_ids)
         self.text += o.new_text
         if o.prompt_token_ids is not None:
@@ -88,7 +88,7 @@ class _OutputState:
             self.logprobs.extend(o.new_logprobs)
             logprobs = list(self.logprobs)
         return RequestOutput(
-            request_id=request_id,
+            request_id=o.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[
@@ -359,7 +359,7 @@ class EngineCoreClient(StreamingEngine):
                         if o.finished:
                             del self._streams[rid]
                             del self._states[rid]
-                        out = state.apply(o, rid)
+                        out = state.apply(o)
                         per_loop.setdefault(stream.loop, []).append((stream.queue, out))
                 elif isinstance(msg, Accepted):
                     stream = self._streams.get(msg.request_id)

@@ -209,8 +209,6 @@ class _EngineCore:
             if text_prompts and o.request_id in text_prompts:
                 text_prompts.discard(o.request_id)
                 prompt_ids = o.prompt_token_ids
-            if o.finished:
-                text_prompts.discard(o.request_id)
             items.append(
                 CoreOutput(
                     o.request_id,

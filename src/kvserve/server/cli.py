@@ -121,15 +121,15 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(server_config.host, server_config.port)
     port = sock.getsockname()[1]
 
+    if engine_config.kv_events_endpoint and not engine_config.kv_events_topic:
+        name = engine_config.served_model_name or dir_name(engine_config.model)
+        engine_config = replace(
+            engine_config,
+            kv_events_topic=f"kv@{_advertised_host(server_config.host)}:{port}@{name}",
+        )
     publisher = None
     async_engine: EngineClient
     if dp_rank is None and server_config.engine_process:
-        if engine_config.kv_events_endpoint and not engine_config.kv_events_topic:
-            name = engine_config.served_model_name or dir_name(engine_config.model)
-            engine_config = replace(
-                engine_config,
-                kv_events_topic=f"kv@{_advertised_host(server_config.host)}:{port}@{name}",
-            )
         try:
             async_engine = EngineCoreClient(engine_config, log_level=server_config.log_level)
         except RuntimeError as e:
@@ -144,13 +144,10 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.kv.event_publisher import ZmqEventPublisher
 
         engine = async_engine.engine
-        topic = engine_config.kv_events_topic or (
-            f"kv@{_advertised_host(server_config.host)}:{port}@{engine.model_name}"
-        )
         publisher = ZmqEventPublisher(
             engine_config.kv_events_endpoint,
             engine_config.kv_events_replay_endpoint,
-            topic,
+            engine_config.kv_events_topic,
             engine_config.kv_events_buffer,
             curve_secret_key=engine_config.kv_events_curve_secret_key,
             curve_allowed_clients=engine_config.kv_events_curve_allowed_clients,
