@@ -53,6 +53,12 @@ class EngineConfig:
     # torch intra-op threads on CPU (default: the usable cores minus one for the server's own
     # threads, at most torch's own default; see engine/model_runner.configure_threads)
     num_threads: int | None = None
+    # torch threads for steps of at least prefill_threads_min_tokens tokens (long prefill
+    # chunks: compute-bound, and the server has little to stream meanwhile). None: every
+    # thread torch has by default (the core left to the server is lent back for the step)
+    # unless num_threads is given, then num_threads (see model_runner.prefill_threads)
+    prefill_num_threads: int | None = None
+    prefill_threads_min_tokens: int = 256
     debug: bool = False  # check pool integrity after every step
     # KV connector (offloading, P/D transfer); None disables.
     kv_connector: str | None = None
@@ -108,6 +114,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if (self.num_threads or 0) < 0 or (self.prefill_num_threads or 0) < 0:
+            raise ValueError("num_threads and prefill_num_threads must be >= 0")
+        if self.prefill_threads_min_tokens < 1:
+            raise ValueError("prefill_threads_min_tokens must be >= 1")
         if (self.kv_tier or self.kv_tiers_config) and self.kv_offload_size <= 0:
             raise ValueError(
                 "storage tiers (kv_tier / kv_tiers_config) are staged through the host-memory "

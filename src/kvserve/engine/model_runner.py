@@ -82,6 +82,27 @@ def configure_threads(num_threads: int | None, device: torch.device) -> int:
     return want
 
 
+def prefill_threads(
+    requested: int | None, num_threads: int, available: int, explicit: bool, device: torch.device
+) -> int:
+    """Torch threads for a step of at least ``prefill_threads_min_tokens`` tokens.
+
+    ``requested`` given (> 0): that. Otherwise, on CPU, ``available`` (the threads torch had
+    before :func:`configure_threads` reserved a core; a test session's 1 stays 1) unless
+    ``num_threads`` was given explicitly (several engines sharing the machine pin theirs),
+    never fewer than ``num_threads``. A long prefill chunk is compute-bound and runs ~1.9x
+    faster on two cores than on one (``small`` preset, fp32 and bf16, AMD EPYC, offline),
+    and while it computes the server has little to stream; a decode step is shorter and the
+    server streams its tokens, so it keeps the reserved core free (with every core, the bf16
+    throughput benchmark lost 27% in an earlier measurement, see :data:`RESERVED_CORES`).
+    Switching costs ~0.2 us (``omp_set_num_threads``; libgomp keeps its thread pool)."""
+    if requested:
+        return requested
+    if device.type != "cpu" or explicit:
+        return num_threads
+    return max(num_threads, min(available, usable_cores()))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         if not config.model:
@@ -89,7 +110,12 @@ class ModelRunner:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.device = resolve_device(config.device)
+        available = torch.get_num_threads()
         self.num_threads = configure_threads(config.num_threads, self.device)
+        self.prefill_num_threads = prefill_threads(
+            config.prefill_num_threads, self.num_threads, available,
+            bool(config.num_threads), self.device,
+        )  # fmt: skip
         if self.device.type == "cpu":
             keep_activations_in_heap()  # no page faults for each step's large activations
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
@@ -289,12 +315,22 @@ class ModelRunner:
         )
         if input_ids and not 0 <= min(input_ids) <= max(input_ids) < self.vocab_size:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        self._set_step_threads(len(input_ids))
         if self.device.type != "cpu":
             plan = getattr(self.attn_backend, "plan", None)
             if plan is not None:  # FlashInfer: page lists from the host-side metadata
                 plan(meta)
             self._metadata_to_device(meta)
         return reqs, meta, self._tensor(input_ids), self._tensor(positions)
+
+    def _set_step_threads(self, num_tokens: int) -> None:
+        """Torch's threads for a step of ``num_tokens`` tokens: :attr:`prefill_num_threads`
+        from ``prefill_threads_min_tokens`` on, else :attr:`num_threads` (called on the thread
+        that runs the forward pass: OpenMP's thread count is that thread's setting)."""
+        wide = num_tokens >= self.config.prefill_threads_min_tokens
+        want = self.prefill_num_threads if wide else self.num_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """A long tensor on the device; on a GPU from pinned memory without a host sync."""
