@@ -168,6 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-venv", default=None, help="virtualenv with vLLM's CPU build")
     p.add_argument("--rounds", type=int, default=1, help="HTTP runs in turn, N times each")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's api_server")
+    p.add_argument(
+        "--vllm-env", action="append", default=[], metavar="KEY=VALUE",
+        help="environment of vLLM's server (repeatable), e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0: "
+        "every core for its engine (vLLM's CPU build leaves one to its frontend by default)",
+    )  # fmt: skip
     p.add_argument("--vllm-kv-cache-gib", type=float, default=4.0, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--vllm-block-size", type=int, default=32)
     p.add_argument("--startup-timeout", type=float, default=900.0)
@@ -265,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 argv += ["--" + k.replace("_", "-"), str(v)]
         argv += shlex.split(args.vllm_args)
         env = {"VLLM_CPU_KVCACHE_SPACE": f"{args.vllm_kv_cache_gib:g}"}
+        env.update(kv.split("=", 1) for kv in args.vllm_env)
         extra = {"argv": argv, "env": env, "version": vllm_version}
         servers.append(("vllm-http", "vllm", argv, env, extra))
 

@@ -46,8 +46,8 @@ logger = logging.getLogger(__name__)
 # threads, so one that shares its core with them holds up every op; vLLM's CPU build reserves
 # one core the same way. On the shared 2-core dev box, back to back, the throughput benchmark
 # (small preset, HTTP) ran bf16 at 983 / 1264 tok/s with 1 torch thread and 964 / 924 with 2;
-# fp32 (compute-bound, GEMMs 3.5x slower) at 321 with 1 and 440 with 2: there
-# ``--num-threads 2`` pays.
+# fp32 (compute-bound, GEMMs 3.5x slower) at 321 with 1 and 440 with 2. Long prefill steps
+# take the reserved core back (:func:`prefill_threads`), decode steps leave it to the server.
 RESERVED_CORES = 1
 RESERVE_FROM_CORES = 2
 
