@@ -292,3 +292,24 @@ def test_router_config_expands_a_data_parallel_server_into_rank_endpoints():
         router_config_from_dict(
             {"endpoints": [{"url": "http://h", "data_parallel_size": 2}]}
         ).validate()
+
+
+def test_cpu_ranks_split_the_cores_unless_threads_are_given():
+    """Each CPU rank gets ``cores // size`` torch threads (prefill steps too: the flag pins
+    both counts); a user's ``--num-threads`` and a single rank are left alone."""
+    from kvserve.config import EngineConfig
+    from kvserve.cpu import usable_cores
+    from kvserve.server.data_parallel import rank_argv
+
+    def threads(argv: list[str]) -> str | None:
+        return argv[argv.index("--num-threads") + 1] if "--num-threads" in argv else None
+
+    cpu = EngineConfig(model="m", device="cpu")
+    assert threads(rank_argv(["serve"], 1, 8001, 9000, cpu, 2)) == str(max(1, usable_cores() // 2))
+    assert threads(rank_argv(["serve"], 0, 8000, 9000, cpu, 1)) is None
+    given = EngineConfig(model="m", device="cpu", num_threads=3)
+    assert threads(rank_argv(["serve", "--num-threads", "3"], 0, 8000, 9000, given, 2)) == "3"
+    assert (
+        threads(rank_argv(["serve"], 0, 8000, 9000, EngineConfig(model="m", device="cuda"), 2))
+        is None
+    )

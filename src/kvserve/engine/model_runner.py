@@ -17,6 +17,7 @@ import os
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.cpu import usable_cores
 from kvserve.engine.attention import (
     AttentionMetadata,
     get_attention_backend,
@@ -50,14 +51,6 @@ logger = logging.getLogger(__name__)
 # take the reserved core back (:func:`prefill_threads`), decode steps leave it to the server.
 RESERVED_CORES = 1
 RESERVE_FROM_CORES = 2
-
-
-def usable_cores() -> int:
-    """CPUs this process may run on (its affinity mask; cgroup quotas are not read)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def configure_threads(num_threads: int | None, device: torch.device) -> int:

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from kvserve.config import EngineConfig, ParallelConfig, ServerConfig
+from kvserve.cpu import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +104,17 @@ def rank_argv(
     port: int,
     master_port: int,
     engine: EngineConfig,
+    size: int = 1,
 ) -> list[str]:
-    """The command line of rank ``rank``: the user's, with this rank's ports appended
-    (argparse keeps the last value of a flag)."""
+    """The command line of rank ``rank`` of ``size``: the user's, with this rank's ports
+    appended (argparse keeps the last value of a flag). Without ``--num-threads``, CPU ranks
+    share the usable cores (``cores // size`` torch threads each, prefill steps too): each
+    rank taking every core would oversubscribe them ``size`` times over."""
     out = [sys.executable, "-m", "kvserve.cli", *argv]
     out += ["--port", str(port), "--data-parallel-rank", str(rank)]
     out += ["--data-parallel-master-port", str(master_port)]
+    if size > 1 and not engine.num_threads and engine.device != "cuda":
+        out += ["--num-threads", str(max(1, usable_cores() // size))]
     for flag, value in (
         ("--kv-events-endpoint", engine.kv_events_endpoint),
         ("--kv-events-replay-endpoint", engine.kv_events_replay_endpoint),
@@ -139,7 +145,7 @@ def run_supervisor(
         signal.signal(sig, on_signal)
     procs: list[subprocess.Popen] = []
     for r in range(n):
-        cmd = rank_argv(argv, r, base + r, master, engine)
+        cmd = rank_argv(argv, r, base + r, master, engine, n)
         # Own process group per rank: a terminal's Ctrl-C reaches the supervisor only.
         procs.append(subprocess.Popen(cmd, start_new_session=True))
     mode = "expert-parallel" if parallel.enable_expert_parallel else "independent"

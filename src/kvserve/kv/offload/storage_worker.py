@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -49,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cpu import usable_cores
 from kvserve.kv.backends.storage import StorageBackend, TierSpec, lower_thread_priority
 from kvserve.kv.offload.storage_writer import TierWriterSpec, WriterProcess, set_thread_policy
 
@@ -511,14 +511,6 @@ class StorageWorker:
             self._spent(time.perf_counter() - t0)
         nbytes = sum(len(p) for p in payloads)
         return StorageResult(op, "write", ok=present, stored=stored, nbytes=nbytes)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def read_groups(items: list[int], threads: int) -> list[list[int]]:
