@@ -53,6 +53,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 
@@ -61,7 +62,7 @@ import bench_router_overhead as overhead  # noqa: E402
 import bench_routing_quality as quality  # noqa: E402
 
 from kvserve.bench.cli import default_model_dir, tokenizer_for  # noqa: E402
-from kvserve.bench.envoy import Envoy, EnvoySpec  # noqa: E402
+from kvserve.bench.envoy import Envoy, EnvoySpec, read_access_log  # noqa: E402
 from kvserve.bench.loadgen import LoadConfig, http_run  # noqa: E402
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster, free_port  # noqa: E402
 from kvserve.bench.machine import describe_machine, machine_markdown  # noqa: E402
@@ -69,16 +70,54 @@ from kvserve.cluster.upstream import Origin  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"rate": 200, "epp_p50_ms": 2.0, "epp_p99_ms": 8.0, "vs_router_ms": 1.0, "quality": 0.05}
-# EPP arms: (request body mode, EPP transport, Envoy's route_cache_action); the first is the
-# harness's default, the goals'; the last the state before (grpcio, the route cache cleared)
+
+
+class Arm(NamedTuple):
+    """An EPP arm: Envoy's ext_proc body modes and route cache action, how Envoy reports the
+    served endpoint (a response header, or the ``upstream.address`` attribute) and finds the
+    first address (the EPP's one-address header, or a Lua filter cutting the list), and the
+    EPP's transport (``base``: the ``--base-src`` tree's EPP)."""
+
+    mode: str
+    response_mode: str = "STREAMED"
+    transport: str = "loop"
+    route_cache: str = "RETAIN"
+    served: str = "header"
+    lua: bool = False
+
+    def describe(self) -> str:
+        served = "attribute" if self.served == "attribute" else "header"
+        first = "Lua" if self.lua else "header"
+        return (
+            f"{self.mode} / {self.response_mode} | {self.route_cache} | served by {served}, "
+            f"first address by {first}"
+        )
+
+    def spec(self, epp: tuple[str, int]) -> EnvoySpec:
+        spec = EnvoySpec(epp, request_body_mode=self.mode, response_body_mode=self.response_mode)
+        spec.route_cache_action = self.route_cache
+        spec.served_header = self.served == "header"
+        spec.served_attribute = self.served == "attribute"
+        spec.first_destination_lua = self.lua
+        return spec
+
+
+# EPP arms; the first is the harness's default (and the envoy-gateway overlay's), the goals'.
+# envoy_epp_before: the Envoy configuration before 2026-12-02 (Lua, attribute); STREAMED:
+# the body goes out without waiting for the headers' answer (one exchange before the pick).
 EPP_ARMS = {
-    "envoy_epp": ("BUFFERED", "loop", "RETAIN"),
-    "envoy_epp_streamed": ("STREAMED", "loop", "RETAIN"),
-    "envoy_epp_duplex": ("FULL_DUPLEX_STREAMED", "loop", "RETAIN"),
-    "envoy_epp_clear": ("BUFFERED", "loop", "DEFAULT"),
-    "envoy_epp_grpcio": ("BUFFERED", "grpcio", "DEFAULT"),
+    "envoy_epp": Arm("BUFFERED"),
+    "envoy_epp_before": Arm("BUFFERED", served="attribute", lua=True),
+    "envoy_epp_streamed": Arm("STREAMED", "NONE"),
+    "envoy_epp_duplex": Arm("FULL_DUPLEX_STREAMED"),
+    "envoy_epp_clear": Arm("BUFFERED", route_cache="DEFAULT"),
+    "envoy_epp_grpcio": Arm("BUFFERED", transport="grpcio", route_cache="DEFAULT"),
 }
-BASE_ARM = {"envoy_epp_base": ("BUFFERED", "base", "RETAIN")}  # with --base-src
+# with --base-src: that tree's EPP behind its Envoy configuration of the time
+BASE_ARM = {"envoy_epp_base": Arm("BUFFERED", transport="base", served="attribute", lua=True)}
+# Envoy's timings of each phase (its access log, microseconds), reported per arm
+PHASES = ("to_upstream_us", "request_headers_us", "request_body_us", "to_downstream_us",
+          "response_headers_us", "total_us")  # fmt: skip
 
 
 def _stop(p: subprocess.Popen | None) -> None:
@@ -95,9 +134,11 @@ def _stop(p: subprocess.Popen | None) -> None:
 
 
 async def serve_null_processor(port: int, destination: str) -> None:
-    """The floor of the EPP's transport: the EPP's BUFFERED message contract (request headers
-    continued, the pick on the body response, an answer with a length skips its body) on the
-    same in-loop gRPC server and stream handler API, one fixed destination, no scheduling."""
+    """The floor of the EPP's transport: the EPP's message contract (BUFFERED: request headers
+    continued, the pick on the body response; STREAMED with the body sent early: the pick on
+    the headers response at the body's end, then the body continued; an answer with a length
+    skips its body) on the same in-loop gRPC server and stream handler API, one fixed
+    destination, no scheduling."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     from kvserve.cluster.epp.grpc_server import Call, GrpcServer, Method
@@ -118,13 +159,29 @@ async def serve_null_processor(port: int, destination: str) -> None:
         "response_body": on_response_body.SerializeToString(),
     }
     finished, unfinished = on_finished.SerializeToString(), on_response.SerializeToString()
+    body_continue = pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=cont)
+    ).SerializeToString()
 
     class Null:
         def __init__(self, call: Call) -> None:
             self.call = call
+            self.early = False  # STREAMED, the body sent without waiting for the headers
+            self.chunks = 0  # (STREAMED) body chunks to continue once the pick is out
 
         def on_message(self, msg: pb.ProcessingRequest) -> None:
             kind = msg.WhichOneof("request")
+            if msg.HasField("protocol_config"):
+                self.early = msg.protocol_config.send_body_without_waiting_for_header_response
+            if self.early and kind == "request_headers":
+                return  # answered with the pick at the body's end
+            if self.early and kind == "request_body":
+                self.chunks += 1
+                if msg.request_body.end_of_stream:
+                    self.call.write(pick.headers_response)
+                    for _ in range(self.chunks):
+                        self.call.write(body_continue)
+                return
             if kind == "response_headers":
                 length = any(
                     h.key == "content-length" for h in msg.response_headers.headers.headers
@@ -147,6 +204,7 @@ async def _measure(
     urls_of: dict[str, list[str]],
     pids: dict[str, dict[str, int]],
     ext_proc_stats: dict[str, Envoy],
+    envoys: dict[str, Envoy],
 ) -> list[dict]:
     rows = []
     conn = aiohttp.TCPConnector(limit=0)
@@ -154,6 +212,9 @@ async def _measure(
         for urls in urls_of.values():  # warm up connections and caches
             await overhead.run_phase(s, urls, 100, 1.5, seed=99)
         for rate in args.rates:
+            await asyncio.sleep(1.5)  # (Envoy writes its access log within a second)
+            for e in envoys.values():  # this rate's lines only
+                Path(e.spec.access_log).write_text("")
             lat: dict[str, list[float]] = {k: [] for k in urls_of}
             errors = dict.fromkeys(urls_of, 0)
             cpu = {name: 0.0 for procs in pids.values() for name in procs}
@@ -197,9 +258,39 @@ async def _measure(
             for arm, (sent, received) in msgs.items():  # Envoy's own ext_proc counters
                 row[f"{arm}_msgs_to_processor_per_request"] = sent / max(n[arm], 1)
                 row[f"{arm}_msgs_from_processor_per_request"] = received / max(n[arm], 1)
+            await asyncio.sleep(1.5)
+            row["phases"] = _phases(envoys)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
+
+
+def _number(x: object) -> bool:
+    """An access log value that is a number (Envoy writes some as strings, ``-`` for none)."""
+    try:
+        float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _phases(envoys: dict[str, Envoy]) -> dict[str, dict[str, list[float]]]:
+    """Envoy's timings of each phase (access log), per arm: {phase: [p50, p99] in ms}; the
+    fixed-upstream arm is the headline Envoy's listener without ext_proc."""
+    out = {}
+    for arm, envoy in envoys.items():
+        rows = read_access_log(envoy.spec.access_log)
+        for name, cluster in ((arm, "pool"), ("envoy_fixed", "direct")):
+            mine = [r for r in rows if r.get("cluster") == cluster]
+            if not mine:
+                continue
+            got = {}
+            for phase in PHASES:
+                xs = [float(r[phase]) / 1e3 for r in mine if _number(r.get(phase))]
+                if xs:
+                    got[phase] = [overhead.pct(xs, 0.5), overhead.pct(xs, 0.99)]
+            out[name] = got
+    return out
 
 
 def _ext_proc_msgs(envoy: Envoy | None) -> tuple[int, int]:
@@ -249,7 +340,7 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         router_proc, router, gport = _router(backends)
         procs.append(router_proc)
         epp = {"loop": (router_proc, gport)}  # transport -> (process, gRPC port)
-        transports = {t for _, t, _ in args.arms.values()}
+        transports = {a.transport for a in args.arms.values()}
         if "grpcio" in transports:
             grpcio_proc, _, grpcio_port = _router(backends, "--epp-transport", "grpcio")
             procs.append(grpcio_proc)
@@ -263,14 +354,15 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         null_proc = subprocess.Popen([*null_cmd, f"127.0.0.1:{ports[0]}"])
         procs.append(null_proc)
         fixed = ("127.0.0.1", ports[0])
-        for arm, (mode, transport, route_cache) in args.arms.items():
-            port = epp[transport][1]
-            spec = EnvoySpec(("127.0.0.1", port), request_body_mode=mode)
-            spec.route_cache_action = route_cache
+        for arm, a in args.arms.items():
+            spec = a.spec(("127.0.0.1", epp[a.transport][1]))
+            spec.access_log = str(workdir / f"{arm}.log")
             if arm == "envoy_epp":  # (and the listener to a fixed upstream, the baseline)
                 spec.direct_upstream = fixed
             envoys[arm] = Envoy(spec, workdir).start()
-        null = EnvoySpec(("127.0.0.1", nport), request_body_mode="BUFFERED")
+        # the null processor behind the headline's Envoy configuration
+        null = args.arms["envoy_epp"].spec(("127.0.0.1", nport))
+        null.access_log = str(workdir / "envoy_null.log")
         envoys["envoy_null"] = Envoy(null, workdir).start()
         urls_of = {
             "direct": [backends[0] + "/v1/completions"],
@@ -291,7 +383,7 @@ def run_overhead(args, workdir: Path) -> list[dict]:
                     os.sched_setaffinity(int(tid), {cpus[1]})
         pids = {
             arm: {
-                arm.removeprefix("envoy_"): epp[args.arms[arm][1]][0].pid,
+                arm.removeprefix("envoy_"): epp[args.arms[arm].transport][0].pid,
                 f"envoy_of_{arm.removeprefix('envoy_')}": envoy_pids[arm],
             }
             for arm in args.arms
@@ -301,7 +393,7 @@ def run_overhead(args, workdir: Path) -> list[dict]:
         all_cpus = os.sched_getaffinity(0)
         try:
             ext_proc_stats = {arm: envoys[arm] for arm in [*args.arms, "envoy_null"]}
-            return asyncio.run(_measure(args, urls_of, pids, ext_proc_stats))
+            return asyncio.run(_measure(args, urls_of, pids, ext_proc_stats, envoys))
         finally:
             os.sched_setaffinity(0, all_cpus)
     finally:
@@ -316,6 +408,13 @@ def run_overhead(args, workdir: Path) -> list[dict]:
 
 
 QUALITY_ARMS = ("http_router", "envoy_epp")
+HOP_ARM = "router_via_envoy"  # --hop-arm: the HTTP router behind Envoy's listener without ext_proc
+# Paired ratios of the routing-quality rounds: (key, numerator, denominator)
+QUALITY_RATIOS = (
+    ("", "envoy_epp", "http_router"),
+    ("hop_", HOP_ARM, "http_router"),  # Envoy's hop alone (with --hop-arm)
+    ("ext_proc_", "envoy_epp", HOP_ARM),  # ext_proc + EPP vs the proxy, both behind Envoy
+)
 # t(0.975, df) for the paired interval (df = rounds - 1); beyond the table, 1.96 + 2.4 / df
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
          2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086]  # fmt: skip
@@ -370,7 +469,8 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
         router_args=["--epp-port", str(gport)],
         log_dir=str(args.quality_logs or workdir / "quality"),
     )
-    runs: dict[str, list] = {arm: [] for arm in QUALITY_ARMS}
+    arms = QUALITY_ARMS + ((HOP_ARM,) if args.hop_arm else ())
+    runs: dict[str, list] = {arm: [] for arm in arms}
     rounds = []
     with LocalCluster(spec) as cluster, contextlib.ExitStack() as stack:
         envoy_spec = EnvoySpec(("127.0.0.1", gport))
@@ -380,7 +480,7 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
         # --router-via-envoy: both front ends behind the same Envoy (the HTTP router through
         # its listener without ext_proc): the difference is then ext_proc + EPP vs the proxy
         router_url = envoy.direct_url if args.router_via_envoy else cluster.router_url
-        urls = {"http_router": router_url, "envoy_epp": envoy.url}
+        urls = {"http_router": router_url, "envoy_epp": envoy.url, HOP_ARM: envoy.direct_url}
 
         def run(arm: str, seed: int):
             cfg = LoadConfig(
@@ -395,14 +495,14 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
             errors = Counter(rec.error for rec in result.records if rec.error)
             return r.summary, dict(errors)
 
-        for i, arm in enumerate(QUALITY_ARMS):  # warm-up: engines, Envoy, connections
+        for i, arm in enumerate(arms):  # warm-up: engines, Envoy, connections
             run(arm, args.seed + 1_000_000 + i)
         for k in range(args.rounds):
-            order = list(QUALITY_ARMS)
+            order = list(arms)
             random.Random(1000 + k).shuffle(order)
             got, errors = {}, {}
             for j, arm in enumerate(order):
-                s, errors[arm] = run(arm, args.seed + 2 * k + j)
+                s, errors[arm] = run(arm, args.seed + len(arms) * k + j)
                 got[arm] = s
                 runs[arm].append(s)
                 print(
@@ -425,13 +525,31 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
                     "ttft_p90_ms": [1e3 * h.ttft.p90, 1e3 * e.ttft.p90],
                     "failed": [h.failed, e.failed],
                     "errors": errors,
+                    **_other_ratios(got),
                 }
             )
     qual = {arm: quality.median_row(sums) for arm, sums in runs.items()}
     qual["rounds"] = rounds
     qual["throughput"] = paired_interval([r["throughput_ratio"] for r in rounds])
     qual["ttft_p90"] = paired_interval([r["ttft_p90_ratio"] for r in rounds])
+    for key, _, _ in QUALITY_RATIOS[1:] if args.hop_arm else ():
+        for m in ("throughput", "ttft_p90"):
+            qual[f"{key}{m}"] = paired_interval([r[f"{key}{m}_ratio"] for r in rounds])
     return qual, sizes
+
+
+def _other_ratios(got: dict) -> dict:
+    """A round's ratios that involve the hop arm (when it ran), and its TTFT p90 / tok/s."""
+    out = {}
+    if HOP_ARM not in got:
+        return out
+    for key, num, den in QUALITY_RATIOS[1:]:
+        a, b = got[num], got[den]
+        out[f"{key}throughput_ratio"] = a.total_token_throughput / b.total_token_throughput
+        out[f"{key}ttft_p90_ratio"] = a.ttft.p90 / b.ttft.p90
+    out["hop_ttft_p90_ms"] = 1e3 * got[HOP_ARM].ttft.p90
+    out["hop_tok_s"] = got[HOP_ARM].total_token_throughput
+    return out
 
 
 # ------------------------------------------------------------------------------ report
@@ -485,13 +603,13 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                     f"{p50:.2f} vs {r['epp_base_added_p50_ms']:.2f} ms, p99 {p99:.2f} vs "
                     f"{r['epp_base_added_p99_ms']:.2f} ms."
                 )
-            for arm, (mode, transport, route_cache) in list(args.arms.items())[1:]:
+            for arm, a in list(args.arms.items())[1:]:
                 name = arm.removeprefix("envoy_")
+                transport = a.transport
                 if transport == "base":
                     transport = f"the base tree ({args.base_rev})"
                 verdict.append(
-                    f"- The EPP on {transport}, Envoy's {mode} body mode, route cache "
-                    f"{route_cache} (same run): adds p50 "
+                    f"- The EPP on {transport}, Envoy {a.describe()} (same run): adds p50 "
                     f"{r[f'{name}_added_p50_ms']:.2f} ms, p99 {r[f'{name}_added_p99_ms']:.2f} "
                     f"ms, CPU {r[f'{name}_cpu_ms_per_request']:.2f} ms per request."
                 )
@@ -509,6 +627,19 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             f"vs {h['cache_hit_ratio']:.0%} (goal within 5%: throughput {ok[0]}, TTFT p90 "
             f"{ok[1]})."
         )
+        if "hop_ttft_p90" in qual:
+            hop, rest = qual["hop_ttft_p90"], qual["ext_proc_ttft_p90"]
+            hop_t, rest_t = qual["hop_throughput"], qual["ext_proc_throughput"]
+            verdict.append(
+                "- The same rounds, the HTTP router behind the same Envoy (its listener without "
+                f"ext_proc) over the HTTP router alone: TTFT p90 {hop['geomean']:.3f}x "
+                f"({hop['ci95'][0]:.3f}-{hop['ci95'][1]:.3f}), throughput "
+                f"{hop_t['geomean']:.3f}x ({hop_t['ci95'][0]:.3f}-{hop_t['ci95'][1]:.3f}); "
+                "Envoy + EPP over the HTTP router behind Envoy: TTFT p90 "
+                f"{rest['geomean']:.3f}x ({rest['ci95'][0]:.3f}-{rest['ci95'][1]:.3f}), "
+                f"throughput {rest_t['geomean']:.3f}x ({rest_t['ci95'][0]:.3f}-"
+                f"{rest_t['ci95'][1]:.3f})."
+            )
     record = {
         "benchmark": "epp",
         "machine": machine,
@@ -525,11 +656,12 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "(BUFFERED, route cache RETAIN for the headline), "
             "STREAMED response body with allow_mode_override, upstream.address attribute; "
             "ORIGINAL_DST pool",
-            "epp_arms": {arm: list(v) for arm, v in args.arms.items()},
+            "epp_arms": {arm: a._asdict() for arm, a in args.arms.items()},
             "base_src": args.base_src,
             "base_rev": args.base_rev,
             "quality_rounds": args.rounds,
             "router_via_envoy": args.router_via_envoy,
+            "hop_arm": args.hop_arm,
             "quality_workload": sizes,
         },
         "overhead": over,
@@ -592,18 +724,21 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "Every EPP arm of the same run (the first is the harness's and the envoy-gateway "
         "overlay's configuration):",
         "",
-        "| req/s | Envoy body mode | route cache | EPP transport | EPP added p50/p99 | "
-        "minus router p50/p99 | CPU ms/req EPP / Envoy | ext_proc msgs to / from |",
-        "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| req/s | Envoy body modes request / response | route cache | Envoy reports / connects "
+        "| EPP transport | "
+        "EPP added p50/p99 | minus router p50/p99 | CPU ms/req EPP / Envoy | "
+        "ext_proc msgs to / from |",
+        "| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in over:
-        for arm, (mode, transport, route_cache) in args.arms.items():
+        for arm, a in args.arms.items():
             name = arm.removeprefix("envoy_")
+            transport = a.transport
             if transport == "base":
                 transport = f"base tree ({args.base_rev})"
             a50, a99 = r[f"{name}_added_p50_ms"], r[f"{name}_added_p99_ms"]
             lines.append(
-                f"| {r['rate']:.0f} | {mode} | {route_cache} | {transport} | "
+                f"| {r['rate']:.0f} | {a.describe()} | {transport} | "
                 f"{a50:.2f} / {a99:.2f} | "
                 f"{a50 - r['router_added_p50_ms']:+.2f} / {a99 - r['router_added_p99_ms']:+.2f} | "
                 f"{r[f'{name}_cpu_ms_per_request']:.2f} / "
@@ -611,6 +746,29 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 f"{r[f'{arm}_msgs_to_processor_per_request']:.2f} / "
                 f"{r[f'{arm}_msgs_from_processor_per_request']:.2f} |"
             )
+    phase_names = {
+        "to_upstream_us": "downstream in -> upstream out",
+        "request_headers_us": "ext_proc request headers",
+        "request_body_us": "ext_proc request body",
+        "to_downstream_us": "upstream in -> downstream out",
+        "response_headers_us": "ext_proc response headers",
+        "total_us": "whole request",
+    }
+    for r in over:
+        if not r.get("phases"):
+            continue
+        lines += [
+            "",
+            f"Envoy's own timings at {r['rate']:.0f} req/s (its access log: `COMMON_DURATION` "
+            "between its stream's time points, and the ext_proc filter's time from sending "
+            "each message to its answer), p50 / p99 in ms over the measured blocks:",
+            "",
+            "| arm | " + " | ".join(phase_names[p] for p in PHASES) + " |",
+            "| --- |" + " ---: |" * len(PHASES),
+        ]
+        for arm, got in r["phases"].items():
+            cells = [f"{got[p][0]:.2f} / {got[p][1]:.2f}" if p in got else "-" for p in PHASES]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     if qual and sizes:
         params = {k: v for k, v in sizes["params"].items() if k != "seed"}
         lines += [
@@ -630,21 +788,34 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 if args.router_via_envoy
                 else ""
             )
+            + (
+                "A third front end runs in the same rounds (`--hop-arm`): the HTTP router "
+                "behind the same Envoy's listener without ext_proc, i.e. Envoy's hop alone. "
+                if args.hop_arm
+                else ""
+            )
             + "A round's ratio is Envoy + EPP "
             "over the HTTP router; their geometric mean and its 95% t-interval (on the logs) "
             "say whether the two differ by more than 5% (`within`: the whole interval inside "
             "0.95-1.05; "
             "`outside`: wholly beyond it; else `inconclusive`).",
             "",
-            "| measure | geometric mean (Envoy + EPP / HTTP router) | 95% interval | +-5% |",
-            "| --- | ---: | ---: | --- |",
+            "| ratio | measure | geometric mean | 95% interval | +-5% |",
+            "| --- | --- | ---: | ---: | --- |",
         ]
-        for name, key in (("throughput (total tok/s)", "throughput"), ("TTFT p90", "ttft_p90")):
-            x = qual[key]
-            lines.append(
-                f"| {name} | {x['geomean']:.3f} | {x['ci95'][0]:.3f}-{x['ci95'][1]:.3f} | "
-                f"{x['band']} |"
-            )
+        names = {
+            "": "Envoy + EPP / HTTP router (the goal)",
+            "hop_": "HTTP router behind Envoy / HTTP router (Envoy's hop alone)",
+            "ext_proc_": "Envoy + EPP / HTTP router behind Envoy (ext_proc + EPP vs the proxy)",
+        }
+        for key, _, _ in QUALITY_RATIOS:
+            for name, m in (("throughput (total tok/s)", "throughput"), ("TTFT p90", "ttft_p90")):
+                x = qual.get(f"{key}{m}")
+                if x is not None:
+                    lines.append(
+                        f"| {names[key]} | {name} | {x['geomean']:.3f} | "
+                        f"{x['ci95'][0]:.3f}-{x['ci95'][1]:.3f} | {x['band']} |"
+                    )
         lines += [
             "",
             "| round | order | tok/s router / EPP | ratio | TTFT p90 ms router / EPP | ratio | "
@@ -667,7 +838,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "requests per engine |",
             "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
-        for arm in QUALITY_ARMS:
+        for arm in [a for a in (*QUALITY_ARMS, HOP_ARM) if a in qual]:
             r = qual[arm]
             eps = ", ".join(f"{k}: {v}" for k, v in sorted(r["endpoints"].items()))
             lines.append(
@@ -717,6 +888,13 @@ def main() -> None:
         default=None,
         help=f"EPP arms to run (default: all of {', '.join(EPP_ARMS)}, and envoy_epp_base "
         "with --base-src); envoy_epp, the headline, always runs",
+    )
+    ap.add_argument(
+        "--hop-arm",
+        action="store_true",
+        help="routing quality: a third front end in the same rounds, the HTTP router behind "
+        "the same Envoy (its listener without ext_proc): Envoy's hop alone, and ext_proc + EPP "
+        "against the proxy behind the same hop",
     )
     ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
     ap.add_argument("--out", default=str(RESULTS / "epp"))

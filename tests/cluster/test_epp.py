@@ -100,6 +100,8 @@ def _complete(url: str, body: dict, headers: dict | None = None) -> httpx.Respon
 
 def _served(r: httpx.Response) -> tuple[str, int]:
     assert r.status_code == 200, r.text
+    # Envoy's report of the served address is for the EPP: removed before the client
+    assert "x-gateway-destination-endpoint-served" not in r.headers
     details = r.json()["usage"].get("prompt_tokens_details") or {}
     return r.headers["x-kvserve-endpoint"], details.get("cached_tokens", 0)
 

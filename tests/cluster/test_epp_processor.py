@@ -18,6 +18,7 @@ from kvserve.cluster.config import EndpointSpec, RouterConfig
 from kvserve.cluster.epp.processor import (
     BUFFERED,
     DESTINATION_HEADER,
+    FIRST_DESTINATION_HEADER,
     FULL_DUPLEX,
     LB_NAMESPACE,
     SERVED_KEY,
@@ -84,16 +85,24 @@ def _destination(out: list[pb.ProcessingResponse]) -> str:
         if out[0].HasField("request_headers")
         else out[0].request_body.response
     )
-    (h,) = common.header_mutation.set_headers
-    assert h.header.key == DESTINATION_HEADER
-    value = h.header.raw_value.decode()
+    headers = {
+        h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers
+    }
+    assert set(headers) == {DESTINATION_HEADER, FIRST_DESTINATION_HEADER}
+    value = headers[DESTINATION_HEADER]
     meta = out[0].dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
     assert meta[DESTINATION_HEADER].string_value == value  # header and metadata agree
+    assert headers[FIRST_DESTINATION_HEADER] == value.split(",")[0]  # for a one-address gateway
     return value
 
 
-def _served(address: str, end: bool = False, length: bool = False) -> pb.ProcessingRequest:
+def _served(
+    address: str, end: bool = False, length: bool = False, as_header: bool = False
+) -> pb.ProcessingRequest:
+    """Response headers, the gateway reporting the served ``address`` in the ``envoy.lb``
+    metadata (or, ``as_header``, in a response header of the same name)."""
     hs = [(":status", b"200")] + [("content-length", b"17")] * length
+    hs += [(SERVED_KEY, address.encode())] * as_header
     msg = pb.ProcessingRequest(
         response_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
@@ -102,9 +111,10 @@ def _served(address: str, end: bool = False, length: bool = False) -> pb.Process
             end_of_stream=end,
         )
     )
-    s = struct_pb2.Struct()
-    s.update({SERVED_KEY: address})
-    msg.metadata_context.filter_metadata[LB_NAMESPACE].CopyFrom(s)
+    if not as_header:
+        s = struct_pb2.Struct()
+        s.update({SERVED_KEY: address})
+        msg.metadata_context.filter_metadata[LB_NAMESPACE].CopyFrom(s)
     return msg
 
 
@@ -140,6 +150,30 @@ def test_full_duplex_pick_echo_and_served_elsewhere_moves_the_count():
         assert all(e.in_flight == 0 for e in eps.values())
         s.release()  # the stream's end after the response's: nothing more to give back
         assert all(e.in_flight == 0 for e in eps.values())
+
+    asyncio.run(run())
+
+
+def test_a_served_address_header_moves_the_count_and_is_removed():
+    """Plain Envoy reports the served endpoint as a response header (the route adds the
+    upstream's address): the EPP learns it there like the metadata, and removes the header
+    so that the client never sees an engine's address."""
+
+    async def run() -> None:
+        epp = _picker()
+        s = ExtProcStream(epp)
+        await _handle(s, _headers(mode=BUFFERED))
+        first, second = _destination(await _handle(s, _body(BODY, True))).split(",")
+        picked, other = epp.endpoint_at(first), epp.endpoint_at(second)
+        assert (picked.in_flight, other.in_flight) == (1, 0)
+        (resp,) = await _handle(s, _served(second, as_header=True))  # it went to the fallback
+        mutation = resp.response_headers.response.header_mutation
+        assert list(mutation.remove_headers) == [SERVED_KEY]
+        (h,) = mutation.set_headers
+        assert h.header.raw_value.decode() == other.name
+        assert (picked.in_flight, other.in_flight) == (0, 1)
+        s.release()
+        assert (picked.in_flight, other.in_flight) == (0, 0)
 
     asyncio.run(run())
 

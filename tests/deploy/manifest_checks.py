@@ -428,11 +428,12 @@ class Manifests:
             boot = yaml.safe_load(text)
             clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
             pool = clusters.get("pool", {})
+            # (the EPP's first address alone: plain Envoy's ORIGINAL_DST takes one address)
             if pool.get("type") != "ORIGINAL_DST" or (
                 pool.get("original_dst_lb_config", {}).get("http_header_name")
-                != "x-gateway-destination-endpoint"
+                != "x-kvserve-destination-endpoint"
             ):
-                self.fail(w, "envoy: no ORIGINAL_DST cluster on x-gateway-destination-endpoint")
+                self.fail(w, "envoy: no ORIGINAL_DST cluster on x-kvserve-destination-endpoint")
             text_filters = yaml.safe_dump(boot["static_resources"]["listeners"])
             match = re.search(r"cluster_name: (\S+)", text_filters)
             epp = clusters.get(match.group(1) if match else "", {})

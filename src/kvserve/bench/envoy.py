@@ -5,9 +5,11 @@ without Kubernetes: a static bootstrap with
 
 - listener ``port``: an HTTP connection manager whose ``ext_proc`` filter asks the EPP (a
   gRPC cluster over HTTP/2) for every request, and routes it to ``pool``, an
-  ``ORIGINAL_DST`` cluster that connects where the EPP's ``x-gateway-destination-endpoint``
-  header says (plain Envoy takes one address there: a small Lua filter keeps the first of
-  the EPP's ordered fallback list);
+  ``ORIGINAL_DST`` cluster that connects where the EPP's ``x-kvserve-destination-endpoint``
+  header says (the first address of its ordered fallback list
+  ``x-gateway-destination-endpoint``: plain Envoy takes one address and walks no list); the
+  route adds ``x-gateway-destination-endpoint-served`` (the upstream's address) to the
+  response, where the EPP learns which endpoint served and removes it;
 - listener ``direct_port`` (when ``direct_upstream`` is given): the same connection manager
   without ``ext_proc``, to a fixed upstream (the baseline of the added-latency benchmark);
 - an admin listener (``/ready``, ``/stats``).
@@ -35,6 +37,8 @@ from typing import Any
 from kvserve.bench.local_cluster import free_port
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+FIRST_DESTINATION_HEADER = "x-kvserve-destination-endpoint"  # the EPP's first address alone
+SERVED_HEADER = "x-gateway-destination-endpoint-served"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 _REPO = Path(__file__).resolve().parents[3]
 _TOOLS_BINARY = _REPO / ".tools" / "envoy" / "envoy" / "_bin" / "envoy"
@@ -66,16 +70,29 @@ def find_envoy() -> str | None:
 @dataclass
 class EnvoySpec:
     epp_address: tuple[str, int]  # the EPP's gRPC (ext_proc) host and port
-    # BUFFERED: the least ext_proc messages per request (3 each way: Envoy honours the EPP's
-    # mode override there, not under FULL_DUPLEX_STREAMED, 5 to / 4 from the EPP, nor under
-    # STREAMED with send_body_without_waiting_for_header_response, 6 / 6; and the fastest:
-    # see benchmarks/results/epp_2026-12-01c.md); FULL_DUPLEX_STREAMED and STREAMED work too.
+    # BUFFERED: the fewest ext_proc messages per request (3 each way: the headers continued,
+    # the pick on the body's answer; Envoy honours the EPP's mode override that skips the
+    # response body) and the least added latency (benchmarks/results/epp_2026-12-02a.md);
+    # STREAMED (the body sent without waiting for the headers' answer: one exchange before
+    # the pick instead of two, but 4 messages each way and no faster) and
+    # FULL_DUPLEX_STREAMED (the body echoed back) work too.
     request_body_mode: str = "BUFFERED"
-    response_body_mode: str = "STREAMED"  # the EPP sees the end of each response
+    # STREAMED: the EPP sees the response headers and skips the body by a mode override where
+    # Envoy honours one (BUFFERED requests). NONE: bodies never pass through the EPP; response
+    # trailers are then asked for, which keeps the ext_proc stream open until the response
+    # ends (an event stream's count is released then; with nothing left to send, Envoy would
+    # end the stream at the response headers).
+    response_body_mode: str = "STREAMED"
+    response_header_mode: str = "SEND"  # where the EPP learns the served endpoint
     failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
     message_timeout_s: float = 10.0  # per ext_proc message (a loaded CI box tokenizes slowly)
     direct_upstream: tuple[str, int] | None = None  # a listener without ext_proc, to here
-    served_attribute: bool = True  # send `upstream.address` with the response headers
+    # How the EPP learns the served endpoint: a response header with the upstream's address
+    # (``%UPSTREAM_REMOTE_ADDRESS%``, removed by the EPP's answer), or Envoy's
+    # ``upstream.address`` attribute (a CEL evaluation per request: ~0.06 ms more of Envoy's
+    # CPU, benchmarks/results/epp_2026-12-02a.md)
+    served_header: bool = True
+    served_attribute: bool = False
     concurrency: int = 1  # Envoy worker threads
     allow_mode_override: bool = True  # the EPP may skip the response body (see processor)
     # RETAIN: the EPP's header mutations do not send the request through route selection
@@ -85,6 +102,52 @@ class EnvoySpec:
     route_cache_action: str = "RETAIN"
     # A request header SUBSET_HEADER (``ip:port,...``) becomes the subset hint metadata.
     subset_hint_header: bool = True
+    # A JSON line per request to this file: Envoy's own timings of its phases (ACCESS_LOG_FIELDS)
+    access_log: str | None = None
+    # Plain Envoy's ORIGINAL_DST connects to one address: the EPP's FIRST_DESTINATION_HEADER,
+    # or (True) the first of its fallback list, cut by a Lua filter (~0.07 ms of Envoy's CPU)
+    first_destination_lua: bool = False
+
+
+# Envoy's timings of one request (microseconds): its phases between the downstream and the
+# upstream, and the time each ext_proc exchange held the request (Envoy's ExtProcLoggingInfo).
+_EXT_PROC_STATE = "%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{})%"
+ACCESS_LOG_FIELDS = {
+    "total_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%",
+    "to_upstream_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",  # ext_proc on the request
+    "upstream_us": "%COMMON_DURATION(US_TX_BEG:US_RX_BEG:us)%",
+    "to_downstream_us": "%COMMON_DURATION(US_RX_BEG:DS_TX_BEG:us)%",  # ext_proc on the response
+    "request_headers_us": _EXT_PROC_STATE.format("request_header_latency_us"),
+    "request_body_us": _EXT_PROC_STATE.format("request_body_max_latency_us"),
+    "response_headers_us": _EXT_PROC_STATE.format("response_header_latency_us"),
+    "cluster": "%UPSTREAM_CLUSTER%",
+    "status": "%RESPONSE_CODE%",
+}
+
+
+def _access_log(path: str) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3"
+                ".FileAccessLog",
+                "path": path,
+                "log_format": {"json_format": ACCESS_LOG_FIELDS},
+            },
+        }
+    ]
+
+
+def read_access_log(path: str | Path) -> list[dict[str, Any]]:
+    """The access log's lines (``EnvoySpec.access_log``), parsed; ``None`` where Envoy had no
+    value (``-``: a phase the request did not have)."""
+    out = []
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
 
 
 def _http2_options() -> dict[str, Any]:
@@ -123,8 +186,24 @@ def _socket_address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _listener(name: str, port: int, cluster: str, filters: list[dict]) -> dict[str, Any]:
-    hcm = {
+def _listener(
+    name: str,
+    port: int,
+    cluster: str,
+    filters: list[dict],
+    access_log: str | None = None,
+    response_headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    route: dict[str, Any] = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": cluster, "timeout": "600s"},
+    }
+    if response_headers:
+        route["response_headers_to_add"] = [
+            {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for k, v in response_headers.items()
+        ]
+    hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
         ".v3.HttpConnectionManager",
         "stat_prefix": name,
@@ -136,12 +215,7 @@ def _listener(name: str, port: int, cluster: str, filters: list[dict]) -> dict[s
                 {
                     "name": name,
                     "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/"},
-                            "route": {"cluster": cluster, "timeout": "600s"},
-                        }
-                    ],
+                    "routes": [route],
                 }
             ],
         },
@@ -155,6 +229,8 @@ def _listener(name: str, port: int, cluster: str, filters: list[dict]) -> dict[s
             },
         ],
     }
+    if access_log is not None:
+        hcm["access_log"] = _access_log(access_log)
     return {
         "name": name,
         "address": _socket_address("127.0.0.1", port),
@@ -195,13 +271,13 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
             "message_timeout": f"{spec.message_timeout_s}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
+                "response_header_mode": spec.response_header_mode,
                 "request_body_mode": spec.request_body_mode,
                 "response_body_mode": spec.response_body_mode,
                 "request_trailer_mode": "SEND"
                 if spec.request_body_mode == "FULL_DUPLEX_STREAMED"
                 else "SKIP",
-                "response_trailer_mode": "SKIP",
+                "response_trailer_mode": "SEND" if spec.response_body_mode == "NONE" else "SKIP",
             },
             # The EPP skips the body of answers that come with a length (finished requests).
             "allow_mode_override": spec.allow_mode_override,
@@ -224,7 +300,9 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
         "circuit_breakers": _CIRCUIT_BREAKERS,
         "original_dst_lb_config": {
             "use_http_header": True,
-            "http_header_name": DESTINATION_HEADER,
+            "http_header_name": DESTINATION_HEADER
+            if spec.first_destination_lua
+            else FIRST_DESTINATION_HEADER,
         },
     }
     epp_host, epp_port = spec.epp_address
@@ -255,10 +333,13 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
         },
     }
     filters = [subset_hint] if spec.subset_hint_header else []
-    listeners = [_listener("epp", port, "pool", [*filters, ext_proc, first_destination])]
+    log = spec.access_log
+    after = [first_destination] if spec.first_destination_lua else []
+    served = {SERVED_HEADER: "%UPSTREAM_REMOTE_ADDRESS%"} if spec.served_header else None
+    listeners = [_listener("epp", port, "pool", [*filters, ext_proc, *after], log, served)]
     clusters = [pool, _static_cluster("epp", epp_host, epp_port, http2=True)]
     if spec.direct_upstream is not None:
-        listeners.append(_listener("direct", direct_port, "direct", []))
+        listeners.append(_listener("direct", direct_port, "direct", [], log))
         clusters.append(_static_cluster("direct", *spec.direct_upstream))
     return {
         "admin": {"address": _socket_address("127.0.0.1", admin_port)},

@@ -16,7 +16,8 @@ the body modes Envoy announces in ``protocol_config``:
   headers alone.
 
 The pick is the ordered fallback list ``ip:port,...`` in the request header
-``x-gateway-destination-endpoint`` and in the dynamic metadata ``envoy.lb`` (the same value).
+``x-gateway-destination-endpoint`` and in the dynamic metadata ``envoy.lb`` (the same value);
+its first address alone in ``x-kvserve-destination-endpoint`` (for a gateway that takes one).
 When the first endpoint has its own API key, the request carries that key instead of the
 client's (checked first against the router's keys, as the HTTP router does). Errors are
 immediate responses with an OpenAI-style body: 400 (bad JSON), 401 (no valid key), 404
@@ -24,14 +25,16 @@ immediate responses with an OpenAI-style body: 400 (bad JSON), 401 (no valid key
 (no ready endpoint, or none in the gateway's subset hint).
 
 The response path teaches the scheduling core where the request was served: the metadata
-``envoy.lb`` / ``x-gateway-destination-endpoint-served`` when the gateway reports it, else
-the ``upstream.address`` attribute. The picked endpoint's in-flight count moves there, and is
-released at the end of the response: for an answer with a length, at its headers (the engine
-has finished); for an event stream, when the ext_proc stream ends (Envoy ends it with the HTTP
-request: after the stream's last event, or when the client goes away), or at its last chunk
-where the body still comes through (FULL_DUPLEX_STREAMED); whichever is first. Envoy is asked
-to skip the response body (``mode_override``): the events of a stream are not held for an
-answer of the EPP each.
+``envoy.lb`` / ``x-gateway-destination-endpoint-served`` when the gateway reports it, else a
+response header of that name (a gateway adding the upstream's address to the response, as
+plain Envoy can with ``%UPSTREAM_REMOTE_ADDRESS%``: the EPP removes it before the client
+sees it), else the ``upstream.address`` attribute. The picked endpoint's in-flight count
+moves there, and is released at the end of the response: for an answer with a length, at its
+headers (the engine has finished); for an event stream, when the ext_proc stream ends (Envoy
+ends it with the HTTP request: after the stream's last event, or when the client goes away),
+or at its last chunk where the body still comes through (FULL_DUPLEX_STREAMED); whichever is
+first. Envoy is asked to skip the response body (``mode_override``): the events of a stream
+are not held for an answer of the EPP each.
 
 Cost per request (the transport hands each message over in the loop turn it arrives in):
 :meth:`ExtProcStream.handle` answers synchronously unless the pick must wait (a long prompt
@@ -67,6 +70,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# The first address of the list alone, for a gateway that connects to one address and walks
+# no list (plain Envoy's ORIGINAL_DST cluster reads it; no filter has to cut the list)
+FIRST_DESTINATION_HEADER = "x-kvserve-destination-endpoint"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -149,7 +155,10 @@ class Pick:
 
     def __init__(self, addresses: list[str], auth: tuple[bytes, bytes] | None = None) -> None:
         self.value = ",".join(addresses)
-        headers = [_header_value(DESTINATION_HEADER, self.value)]
+        headers = [
+            _header_value(DESTINATION_HEADER, self.value),
+            _header_value(FIRST_DESTINATION_HEADER, addresses[0]),
+        ]
         if auth is not None:  # the endpoint's own key, as the HTTP router sends it
             headers.append(_header_value("authorization", auth[1].decode("latin-1")))
         self.mutation = pb.HeaderMutation(set_headers=headers)
@@ -179,22 +188,23 @@ class Pick:
 
 
 _PICKS: dict[tuple, Pick] = {}
-_SERVED_ANSWERS: dict[tuple[str | None, bool], bytes] = {}
+_SERVED_ANSWERS: dict[tuple[str | None, bool, bool], bytes] = {}
 
 
-def _served_answer(name: str | None, skip_body: bool) -> bytes:
+def _served_answer(name: str | None, skip_body: bool, strip: bool = False) -> bytes:
     """The response-headers answer: the header naming the endpoint that served (``None``:
-    unknown, nothing set), and the mode override that skips the response body (built once
-    per endpoint and override)."""
-    key = (name, skip_body)
+    unknown, nothing set), the gateway's served-address header removed (``strip``), and the
+    mode override that skips the response body (built once per endpoint and options)."""
+    key = (name, skip_body, strip)
     answer = _SERVED_ANSWERS.get(key)
     if answer is None:
         if len(_SERVED_ANSWERS) >= _PICK_CACHE_SIZE:
             _SERVED_ANSWERS.clear()
         mutation = None
-        if name is not None:
-            header = _header_value(ENDPOINT_RESPONSE_HEADER, name)
-            mutation = pb.HeaderMutation(set_headers=[header])
+        if name is not None or strip:
+            mutation = pb.HeaderMutation(remove_headers=[SERVED_KEY] if strip else [])
+            if name is not None:
+                mutation.set_headers.append(_header_value(ENDPOINT_RESPONSE_HEADER, name))
         out = pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)
@@ -479,7 +489,7 @@ class ExtProcStream:
     # ------------------------------------------------------------------ response path
 
     def _response_headers(self, msg: pb.ProcessingRequest) -> list[Answer]:
-        status, length, event_stream = 0, False, False
+        status, length, event_stream, header = 0, False, False, None
         for h in msg.response_headers.headers.headers:
             key = h.key
             if key == ":status":
@@ -488,13 +498,15 @@ class ExtProcStream:
                 length = True
             elif key == "content-type":
                 event_stream = (h.raw_value or h.value.encode()).startswith(b"text/event-stream")
+            elif key == SERVED_KEY:
+                header = (h.raw_value or h.value.encode()).decode("latin-1")
         core = self.epp.core
-        served = self._learn_served(msg)
+        served = self._learn_served(msg, header)
         if served is None and self.counted is not None:
             if status in (502, 503, 504):
                 # No upstream answered (Envoy's own reply: refused, reset): check it now.
                 core.pool.probe_soon(self.counted)
-            elif not self._reported(msg):
+            elif header is None and not self._reported(msg):
                 served = self.counted  # the gateway reports nothing: assume the pick served
         name = None
         if served is not None:
@@ -511,13 +523,15 @@ class ExtProcStream:
         # here: one message less each way for an answer, one round trip less per event of a
         # stream, where Envoy honours it (its counters show the body still comes with a
         # FULL_DUPLEX_STREAMED request: it is continued).
-        return [_served_answer(name, self.response_mode != NONE)]
+        return [_served_answer(name, self.response_mode != NONE, header is not None)]
 
     @staticmethod
-    def _served_address(msg: pb.ProcessingRequest) -> str:
+    def _served_address(msg: pb.ProcessingRequest, header: str | None = None) -> str:
         lb = msg.metadata_context.filter_metadata.get(LB_NAMESPACE)
         if lb is not None and SERVED_KEY in lb.fields:
             return lb.fields[SERVED_KEY].string_value
+        if header:
+            return header.strip()
         if _EXT_PROC_ATTRS in msg.attributes:
             value = msg.attributes[_EXT_PROC_ATTRS].fields.get("upstream.address")
             if value is not None:
@@ -530,10 +544,12 @@ class ExtProcStream:
         lb = msg.metadata_context.filter_metadata.get(LB_NAMESPACE)
         return (lb is not None and SERVED_KEY in lb.fields) or _EXT_PROC_ATTRS in msg.attributes
 
-    def _learn_served(self, msg: pb.ProcessingRequest) -> Endpoint | None:
+    def _learn_served(
+        self, msg: pb.ProcessingRequest, header: str | None = None
+    ) -> Endpoint | None:
         """The endpoint that served the request, if reported (the in-flight count moves
-        there when it is not the pick)."""
-        address = self._served_address(msg)
+        there when it is not the pick); ``header``: the gateway's served-address header."""
+        address = self._served_address(msg, header)
         if not address:
             return None
         served = self.epp.endpoint_at(address)
