@@ -16,7 +16,9 @@ Runs, one after another (never two engines at once, so each has the whole machin
 
 ``--base-src DIR`` adds ``kvserve-base-http`` before run 2: the same server started from another
 source tree (``DIR/src`` first on ``PYTHONPATH``, e.g. a ``git worktree`` of an older commit
-with its extensions built), for before / after ratios measured in the same run.
+with its extensions built), for before / after ratios measured in the same run; ``--base-args``
+gives that server flags of its own (with ``--base-src .`` and ``--base-label``: a configuration
+of the same tree against its default).
 
 ``--rounds N`` (N > 1) starts the HTTP servers once, all of them (each idle while another is
 measured), and measures them in turn N times: base, kvserve, vLLM, base, kvserve, ... so that a
@@ -165,6 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--base-src", default=None, help="another kvserve tree: its HTTP run first (before/after)"
     )
+    p.add_argument("--base-args", default="", help="extra flags of the base server only")
+    p.add_argument("--base-label", default="kvserve-base", help="the base server's label")
     p.add_argument("--vllm-venv", default=None, help="virtualenv with vLLM's CPU build")
     p.add_argument("--rounds", type=int, default=1, help="HTTP runs in turn, N times each")
     p.add_argument("--vllm-args", default="", help="extra flags of vLLM's api_server")
@@ -247,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_src:
         src = str(Path(args.base_src).resolve() / "src")
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-        argv = kvserve_argv(_free_port())
+        argv = kvserve_argv(_free_port()) + shlex.split(args.base_args)
         extra = {"argv": argv, "engine": kv_engine, "src": src}
-        servers.append(("kvserve-base-http", "kvserve-base", argv, env, extra))
+        servers.append((f"{args.base_label}-http", args.base_label, argv, env, extra))
     if not args.skip_http:
         argv = kvserve_argv(_free_port())
         servers.append(("kvserve-http", "kvserve", argv, None, {"argv": argv, "engine": kv_engine}))

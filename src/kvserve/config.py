@@ -53,12 +53,13 @@ class EngineConfig:
     # torch intra-op threads on CPU (default: the usable cores minus one for the server's own
     # threads, at most torch's own default; see engine/model_runner.configure_threads)
     num_threads: int | None = None
-    # torch threads for steps of at least prefill_threads_min_tokens tokens (long prefill
-    # chunks: compute-bound, and the server has little to stream meanwhile). None: every
-    # thread torch has by default (the core left to the server is lent back for the step)
-    # unless num_threads is given, then num_threads (see model_runner.prefill_threads)
-    prefill_num_threads: int | None = None
-    prefill_threads_min_tokens: int = 256
+    # torch threads for heavy steps (at least heavy_step_min_tokens tokens: their compute
+    # dwarfs the server's work per step). None: every thread torch has by default (the core
+    # left to the server is lent back for the step) unless num_threads is given or storage
+    # tiers are attached, then num_threads; heavy_step_min_tokens None: the tokens whose
+    # projections take HEAVY_STEP_GFLOP on this model (see model_runner.heavy_step_threads)
+    heavy_step_threads: int | None = None
+    heavy_step_min_tokens: int | None = None
     debug: bool = False  # check pool integrity after every step
     # KV connector (offloading, P/D transfer); None disables.
     kv_connector: str | None = None
@@ -114,10 +115,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if (self.num_threads or 0) < 0 or (self.prefill_num_threads or 0) < 0:
-            raise ValueError("num_threads and prefill_num_threads must be >= 0")
-        if self.prefill_threads_min_tokens < 1:
-            raise ValueError("prefill_threads_min_tokens must be >= 1")
+        if (self.num_threads or 0) < 0 or (self.heavy_step_threads or 0) < 0:
+            raise ValueError("num_threads and heavy_step_threads must be >= 0")
+        if self.heavy_step_min_tokens is not None and self.heavy_step_min_tokens < 1:
+            raise ValueError("heavy_step_min_tokens must be >= 1")
         if (self.kv_tier or self.kv_tiers_config) and self.kv_offload_size <= 0:
             raise ValueError(
                 "storage tiers (kv_tier / kv_tiers_config) are staged through the host-memory "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 
 import torch
@@ -37,7 +38,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.model.config import ModelConfig
 from kvserve.model.loader import load_model, resolve_device, resolve_dtype
-from kvserve.model.packed_linear import pack_linears
+from kvserve.model.packed_linear import PackedLinear, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ logger = logging.getLogger(__name__)
 # threads, so one that shares its core with them holds up every op; vLLM's CPU build reserves
 # one core the same way. On the shared 2-core dev box, back to back, the throughput benchmark
 # (small preset, HTTP) ran bf16 at 983 / 1264 tok/s with 1 torch thread and 964 / 924 with 2;
-# fp32 (compute-bound, GEMMs 3.5x slower) at 321 with 1 and 440 with 2. Long prefill steps
-# take the reserved core back (:func:`prefill_threads`), decode steps leave it to the server.
+# fp32 (compute-bound, GEMMs 3.5x slower) at 321 with 1 and 440 with 2. Heavy steps take the
+# reserved core back (:func:`heavy_step_threads`), light ones leave it to the server.
 RESERVED_CORES = 1
 RESERVE_FROM_CORES = 2
 
@@ -75,25 +76,58 @@ def configure_threads(num_threads: int | None, device: torch.device) -> int:
     return want
 
 
-def prefill_threads(
-    requested: int | None, num_threads: int, available: int, explicit: bool, device: torch.device
+# A step whose projection GEMMs take at least this much compute is heavy (see
+# :func:`heavy_step_threads`): on the dev box (AMD EPYC, 2 vCPUs, engine in its own process)
+# every step of `small` at batch 64 (10.6 GFLOP in a decode step) ran 1.04-1.06x faster on
+# both cores than with the decode steps on one (bf16; fp32 within noise), while `tiny`'s
+# decode steps (0.4 GFLOP, ~7 ms) gained nothing and delivered tokens less evenly
+# (benchmarks/results/throughput_2026-12-02f*, 02g).
+HEAVY_STEP_GFLOP = 2.0
+
+
+def heavy_step_threads(
+    requested: int | None,
+    num_threads: int,
+    available: int,
+    keep_reserved: bool,
+    device: torch.device,
 ) -> int:
-    """Torch threads for a step of at least ``prefill_threads_min_tokens`` tokens.
+    """Torch threads for a heavy step (``heavy_step_min_tokens`` tokens or more).
 
     ``requested`` given (> 0): that. Otherwise, on CPU, ``available`` (the threads torch had
-    before :func:`configure_threads` reserved a core; a test session's 1 stays 1) unless
-    ``num_threads`` was given explicitly (several engines sharing the machine pin theirs),
-    never fewer than ``num_threads``. A long prefill chunk is compute-bound and runs ~1.9x
-    faster on two cores than on one (``small`` preset, fp32 and bf16, AMD EPYC, offline),
-    and while it computes the server has little to stream; a decode step is shorter and the
-    server streams its tokens, so it keeps the reserved core free (with every core, the bf16
-    throughput benchmark lost 27% in an earlier measurement, see :data:`RESERVED_CORES`).
-    Switching costs ~0.2 us (``omp_set_num_threads``; libgomp keeps its thread pool)."""
+    before :func:`configure_threads` reserved a core; a test session's 1 stays 1), never fewer
+    than ``num_threads``; but ``num_threads`` when ``keep_reserved``: ``num_threads`` was given
+    explicitly (several engines sharing the machine pin theirs), or storage tiers are attached
+    (their writer process and a local Redis work beside every step: with heavy steps on both
+    cores, decode under a 100 MB/s store stream fell to 0.90 of the tiers detached, 0.995 with
+    them on one, benchmarks/results/tiers_small_2026-12-02c, 02d_threads1).
+
+    A heavy step is compute-bound and its compute dwarfs the server's work per step: a
+    2048-token prefill step ran 1.9x faster on two cores than on one (``small``, fp32 and
+    bf16, offline), and the issue-16 throughput benchmark 1.24x (bf16) / 1.43x (fp32) with its
+    long steps on both cores (throughput_2026-12-02d). A light step keeps the reserved core
+    free for the server, which streams its tokens meanwhile. Switching costs ~0.2 us
+    (``omp_set_num_threads``; libgomp keeps its thread pool)."""
     if requested:
         return requested
-    if device.type != "cpu" or explicit:
+    if device.type != "cpu" or keep_reserved:
         return num_threads
     return max(num_threads, min(available, usable_cores()))
+
+
+def heavy_step_min_tokens(model: torch.nn.Module, gflop: float = HEAVY_STEP_GFLOP) -> int:
+    """Tokens whose projections take ``gflop`` on ``model``: 2 FLOPs per weight of its linear
+    layers per token (the LM head, which runs for sampled tokens only, not counted; stacked
+    MoE expert weights are not linear layers, so a MoE model counts its dense part)."""
+    weights = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        if isinstance(module, torch.nn.Linear):
+            weights += module.weight.numel()
+        elif isinstance(module, PackedLinear):
+            weights += module.in_features * module.out_features
+    return max(1, math.ceil(gflop * 1e9 / (2 * max(1, weights))))
 
 
 class ModelRunner:
@@ -105,9 +139,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         available = torch.get_num_threads()
         self.num_threads = configure_threads(config.num_threads, self.device)
-        self.prefill_num_threads = prefill_threads(
-            config.prefill_num_threads, self.num_threads, available,
-            bool(config.num_threads), self.device,
+        storage_tiers = bool(config.kv_tier or config.kv_tiers_config)
+        self.heavy_step_threads = heavy_step_threads(
+            config.heavy_step_threads, self.num_threads, available,
+            bool(config.num_threads) or storage_tiers, self.device,
         )  # fmt: skip
         if self.device.type == "cpu":
             keep_activations_in_heap()  # no page faults for each step's large activations
@@ -119,6 +154,9 @@ class ModelRunner:
         # fp32 projections through oneDNN's packed GEMM (load_model leaves fp32 on torch's
         # BLAS, bitwise transformers): 1.75-2x faster on the dev box, logits within ~1e-5.
         pack_linears(self.model, fp32=True)
+        self.heavy_step_min_tokens = config.heavy_step_min_tokens or heavy_step_min_tokens(
+            self.model
+        )
         self.kv_cache_groups = self._make_kv_cache_groups()
         self.attn_backend = self._pick_attention_backend()
         set_attention_backend(self.model, self.attn_backend)
@@ -317,11 +355,11 @@ class ModelRunner:
         return reqs, meta, self._tensor(input_ids), self._tensor(positions)
 
     def _set_step_threads(self, num_tokens: int) -> None:
-        """Torch's threads for a step of ``num_tokens`` tokens: :attr:`prefill_num_threads`
-        from ``prefill_threads_min_tokens`` on, else :attr:`num_threads` (called on the thread
-        that runs the forward pass: OpenMP's thread count is that thread's setting)."""
-        wide = num_tokens >= self.config.prefill_threads_min_tokens
-        want = self.prefill_num_threads if wide else self.num_threads
+        """Torch's threads for a step of ``num_tokens`` tokens: :attr:`heavy_step_threads` from
+        :attr:`heavy_step_min_tokens` on, else :attr:`num_threads` (called on the thread that
+        runs the forward pass: OpenMP's thread count is that thread's setting)."""
+        heavy = num_tokens >= self.heavy_step_min_tokens
+        want = self.heavy_step_threads if heavy else self.num_threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
