@@ -310,10 +310,15 @@ def test_subset_hint_is_honoured(stack):
     assert r.json()["error"]["type"] == "service_unavailable"
 
 
-def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path):
+@pytest.mark.parametrize(
+    "modes", [("BUFFERED", "STREAMED"), ("STREAMED", "NONE")], ids=["buffered", "response-none"]
+)
+def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path, modes):
     """A stream counts while it runs (not only until its headers); with every endpoint at
     its limit (here 1 request, no queue) the EPP answers 429; a client that goes away
-    releases its count. Slow-streaming fake backends: a tiny engine finishes too soon."""
+    releases its count. Slow-streaming fake backends: a tiny engine finishes too soon.
+    With the response body never sent to the EPP (NONE) Envoy would end the ext_proc stream
+    at the response headers: the harness asks for trailers to keep it open to the end."""
     with fake_backends(2) as urls:
         for u in urls:
             httpx.post(u + "/_fake/config", json={"chunks": 200, "chunk_interval": 0.05})
@@ -322,7 +327,14 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path)
         limits = ["--max-connections-per-endpoint", "1", "--max-queue-per-endpoint", "0"]
         with (
             router_process(tmp_path, config, *limits, "--epp-port", str(grpc_port)) as epp,
-            Envoy(EnvoySpec(("127.0.0.1", grpc_port)), tmp_path) as envoy,
+            Envoy(
+                EnvoySpec(
+                    ("127.0.0.1", grpc_port),
+                    request_body_mode=modes[0],
+                    response_body_mode=modes[1],
+                ),
+                tmp_path,
+            ) as envoy,
         ):
 
             def in_flight() -> list[int]:
