@@ -98,9 +98,11 @@ def heavy_step_threads(
     before :func:`configure_threads` reserved a core; a test session's 1 stays 1), never fewer
     than ``num_threads``; but ``num_threads`` when ``keep_reserved``: ``num_threads`` was given
     explicitly (several engines sharing the machine pin theirs), or storage tiers are attached
-    (their writer process and a local Redis work beside every step: with heavy steps on both
-    cores, decode under a 100 MB/s store stream fell to 0.90 of the tiers detached, 0.995 with
-    them on one, benchmarks/results/tiers_small_2026-12-02c, 02d_threads1).
+    (their writer process and a local Redis work beside every step; decode under a 100 MB/s
+    store stream was 0.896 of the tiers detached with heavy steps on both cores, 0.995 and
+    0.949 with them on one: single runs whose pairs spread +-10%, so not conclusive, and the
+    tiers keep the configuration they were measured in, benchmarks/results/tiers_small_
+    2026-12-02c, -02d_threads1, -02e).
 
     A heavy step is compute-bound and its compute dwarfs the server's work per step: a
     2048-token prefill step ran 1.9x faster on two cores than on one (``small``, fp32 and
