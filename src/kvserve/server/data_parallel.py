@@ -108,7 +108,7 @@ def rank_argv(
 ) -> list[str]:
     """The command line of rank ``rank`` of ``size``: the user's, with this rank's ports
     appended (argparse keeps the last value of a flag). Without ``--num-threads``, CPU ranks
-    share the usable cores (``cores // size`` torch threads each, prefill steps too): each
+    share the usable cores (``cores // size`` torch threads each, heavy steps too): each
     rank taking every core would oversubscribe them ``size`` times over."""
     out = [sys.executable, "-m", "kvserve.cli", *argv]
     out += ["--port", str(port), "--data-parallel-rank", str(rank)]
