@@ -109,8 +109,12 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
 
 class StreamingEngine:
     """What both engine facades share (:class:`AsyncEngine` here, the engine-core client in
-    :mod:`kvserve.engine.core_client`): waiting for a request's acceptance, ``generate`` and
-    aborts by id. Subclasses implement ``add_request`` and ``_abort_nowait``."""
+    :mod:`kvserve.engine.core_client`): adding a request and waiting for its acceptance,
+    ``generate`` and aborts by id. Subclasses hold ``_streams`` (live requests by id) under
+    ``_lock`` and implement ``_check_alive``, ``_submit`` and ``_abort_nowait``."""
+
+    _lock: Any  # a lock or condition guarding ``_streams`` and the submission order
+    _streams: dict[str, _Stream]
 
     async def add_request(
         self,
@@ -121,6 +125,36 @@ class StreamingEngine:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
+        """Queue a request and wait until the engine accepted it.
+
+        Raises the engine's ``ValueError`` for bad input, :class:`EngineDeadError` when the
+        engine is not running, ``KeyError`` for a duplicate live request id.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id, loop, asyncio.Queue(), loop.create_future())
+        with self._lock:
+            self._check_alive()  # again under the lock: a failing engine takes the streams
+            if request_id in self._streams:
+                raise KeyError(f"request id {request_id!r} is already running")
+            self._submit(request_id, prompt, params, cache_salt, kv_transfer_params)
+            self._streams[request_id] = stream
+        return await self._accepted(stream)
+
+    def _check_alive(self) -> None:
+        """Raise :class:`EngineDeadError` unless the engine takes requests."""
+        raise NotImplementedError
+
+    def _submit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> None:
+        """Hand a new request to the engine (under ``_lock``; its stream is registered
+        right after)."""
         raise NotImplementedError
 
     def _abort_nowait(self, request_ids: list[str]) -> None:
@@ -252,33 +286,20 @@ class AsyncEngine(StreamingEngine):
         return len(self._streams)
 
     # -- requests -------------------------------------------------------------------------
-    async def add_request(
+    @property
+    def _lock(self) -> threading.Condition:
+        return self._cond
+
+    def _submit(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> RequestStream:
-        """Queue a request and wait until the engine accepted it.
-
-        Raises the engine's ``ValueError`` for bad input, :class:`EngineDeadError` when the
-        loop is not running, ``KeyError`` for a duplicate live request id.
-        """
-        self._check_alive()
-        loop = asyncio.get_running_loop()
-        stream = _Stream(request_id, loop, asyncio.Queue(), loop.create_future())
-        with self._cond:
-            self._check_alive()  # again under the lock: a failing loop takes the streams
-            if request_id in self._streams:
-                raise KeyError(f"request id {request_id!r} is already running")
-            self._streams[request_id] = stream
-            self._commands.append(
-                ("add", (request_id, prompt, params, cache_salt, kv_transfer_params))
-            )
-            self._cond.notify()
-        return await self._accepted(stream)
+        cache_salt: str | None,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> None:
+        self._commands.append(("add", (request_id, prompt, params, cache_salt, kv_transfer_params)))
+        self._cond.notify()
 
     def _abort_nowait(self, request_ids: list[str]) -> None:
         with self._cond:

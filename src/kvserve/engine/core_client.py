@@ -35,7 +35,6 @@ from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
-    RequestStream,
     StreamingEngine,
     _call,
     _deliver,
@@ -267,34 +266,22 @@ class EngineCoreClient(StreamingEngine):
         return len(self._streams)
 
     # -- requests -------------------------------------------------------------------------
-    async def add_request(
+    def _submit(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
-        *,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
-    ) -> RequestStream:
-        """Queue a request and wait until the core accepted it (as
-        :meth:`AsyncEngine.add_request`: ``ValueError`` for bad input, ``KeyError`` for a
-        live duplicate id, :class:`EngineDeadError` when the core is gone)."""
-        self._check_alive()
-        loop = asyncio.get_running_loop()
-        stream = _Stream(request_id, loop, asyncio.Queue(), loop.create_future())
+        cache_salt: str | None,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> None:
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = [] if text is not None else list(prompt)
-        msg = client_encoder.encode(
-            AddRequest(request_id, prompt, params, cache_salt, kv_transfer_params)
+        self._send(
+            client_encoder.encode(
+                AddRequest(request_id, prompt, params, cache_salt, kv_transfer_params)
+            )
         )
-        with self._lock:
-            self._check_alive()
-            if request_id in self._streams:
-                raise KeyError(f"request id {request_id!r} is already running")
-            self._send(msg)
-            self._streams[request_id] = stream
-            self._states[request_id] = _OutputState(text, prompt_ids)
-        return await self._accepted(stream)
+        self._states[request_id] = _OutputState(text, prompt_ids)
 
     def _abort_nowait(self, request_ids: list[str]) -> None:
         with self._lock:
