@@ -393,3 +393,66 @@ def test_header_blocks_are_kept_decoded_only_while_the_dynamic_table_holds():
         await server.stop()
 
     asyncio.run(run())
+
+
+class _Deferring:
+    """A stream handler that echoes each message and leaves its bookkeeping for after the
+    answer (``after_answers``), recording whether the answer had gone to the socket then."""
+
+    def __init__(self, call: Call, events: list) -> None:
+        self.call = call
+        self.events = events
+
+    def on_message(self, msg):
+        self.events.append(("message", msg.service))
+        self.call.write(health_pb2.HealthCheckRequest(service=msg.service))
+        self.call.after_answers(self._after, msg.service)
+
+    def _after(self, text: str) -> None:
+        self.events.append(("after", text, not self.call.conn._out))  # answer written?
+        if text == "boom":
+            raise RuntimeError("bookkeeping's bug")
+
+    def on_end(self) -> None:
+        self.events.append(("end",))
+
+
+def test_after_answers_runs_once_the_answer_is_written_and_before_the_next_message():
+    """The EPP's bookkeeping (routing history, metrics) waits until the answer is on the
+    wire, and still runs before the connection's next message is handled: messages of two
+    streams in one read each get their answer out, then their bookkeeping, in order; a
+    failing callback is logged and the calls go on."""
+
+    async def run() -> None:
+        events: list = []
+        server = GrpcServer(
+            {ECHO: Method(health_pb2.HealthCheckRequest, stream=lambda c: _Deferring(c, events))}
+        )
+        port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        encoder = hpack.Encoder()
+        writer.write(
+            _PREFACE
+            + _frame(_SETTINGS, 0, 0)
+            + _frame(_HEADERS, 0x4, 1, _stream_headers(encoder))
+            + _frame(_HEADERS, 0x4, 3, _stream_headers(encoder))
+            + _frame(_DATA, 0, 1, _grpc_messages("a", "boom"))
+            + _frame(_DATA, 0, 3, _grpc_messages("b"))
+        )
+        assert await _read_answers(reader, 3, 1) == ["b"]
+        writer.write(_frame(_DATA, 0, 1, _grpc_messages("c")))
+        assert await _read_answers(reader, 1, 1) == ["c"]  # (a, boom came before b)
+        for _ in range(100):
+            if ("after", "c", True) in events:
+                break
+            await asyncio.sleep(0.02)
+        assert events == [
+            ("message", "a"), ("after", "a", True),
+            ("message", "boom"), ("after", "boom", True),
+            ("message", "b"), ("after", "b", True),
+            ("message", "c"), ("after", "c", True),
+        ]  # fmt: skip
+        writer.close()
+        await server.stop()
+
+    asyncio.run(run())

@@ -196,6 +196,12 @@ class Call:
         self._pending.append((False, data))
         self.flush()
 
+    def after_answers(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` once the answers written so far have gone to the socket: work
+        the peer does not wait for (bookkeeping, metrics), off its critical path. Still
+        before the connection's next message is handled, so that message sees its effects."""
+        self.conn.after_answers(fn, args)
+
     def finish(self, status: int = OK, message: str = "") -> None:
         """End the call with ``status`` (trailers; a trailers-only answer without messages)."""
         if self.reset or self.finished:
@@ -279,6 +285,9 @@ class Call:
 
     def _dispatch(self, message: Any) -> None:
         """One message to the stream handler, in the connection's callback."""
+        if self.conn._after:  # an earlier message's answers first, then its bookkeeping
+            self.conn._flush()
+            self.conn._run_after()
         try:
             pending = self.handler.on_message(message)  # type: ignore[union-attr]
         except Exception as e:  # noqa: BLE001 - GrpcError, or a handler's bug: ends the call
@@ -373,6 +382,7 @@ class Http2Connection(asyncio.Protocol):
         self.going_away = False
         self._out: list[bytes] = []  # frames to send at the end of this turn of the loop
         self._receiving = False  # in data_received: what is written leaves at its end
+        self._after: list[tuple[Callable[..., object], tuple]] = []  # see after_answers
         self._decoded: dict[bytes, dict[bytes, bytes]] = {}  # header block -> its fields
 
     # ------------------------------------------------------------------ asyncio.Protocol
@@ -408,6 +418,8 @@ class Http2Connection(asyncio.Protocol):
             self._receiving = False
             if self._out:
                 self._flush()
+            if self._after:
+                self._run_after()
 
     def _data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -607,6 +619,23 @@ class Http2Connection(asyncio.Protocol):
         if not self._out and not self._receiving:
             self.loop.call_soon(self._flush)
         self._out.append(data)
+
+    def after_answers(self, fn: Callable[..., object], args: tuple = ()) -> None:
+        """``fn(*args)`` after the frames queued so far are written (:meth:`Call.after_answers`):
+        at the end of ``data_received`` (or before its next message), else in a later
+        callback of the loop, after the flush it scheduled."""
+        if not self._receiving:
+            self.loop.call_soon(fn, *args)
+        else:
+            self._after.append((fn, args))
+
+    def _run_after(self) -> None:
+        after, self._after = self._after, []
+        for fn, args in after:
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - bookkeeping's bug: logged, the calls go on
+                logger.exception("gRPC after-answers callback failed")
 
     def _flush(self) -> None:
         if self._out:

@@ -65,6 +65,8 @@ if TYPE_CHECKING:
     from kvserve.cluster.endpoints import Endpoint
     from kvserve.cluster.epp.grpc_server import Call
     from kvserve.cluster.epp.server import EndpointPicker
+    from kvserve.cluster.gateway import Router
+    from kvserve.cluster.metrics import RouterMetrics
     from kvserve.cluster.scheduler import Decision
 
 logger = logging.getLogger(__name__)
@@ -269,6 +271,14 @@ class ExtProcStream:
     def on_end(self) -> None:
         self.release()
         self.epp.streams -= 1
+
+    def _later(self, fn: Callable[..., object], *args: Any) -> None:
+        """Work Envoy does not wait for (routing history, metrics): after this message's
+        answers are on the wire (the in-loop transport), before the next message is handled."""
+        if self.call is None:
+            fn(*args)
+        else:
+            self.call.after_answers(fn, *args)
 
     # ------------------------------------------------------------------ request path
 
@@ -479,10 +489,8 @@ class ExtProcStream:
         first.in_flight += 1
         self.counted = first
         self.req = req
-        core.scheduler.observe(req, first)
-        self.t_pick = time.perf_counter()
-        metrics.decisions_of(decision.reason).inc()
-        metrics.routing_time.observe(self.t_pick - t0)
+        self.t_pick = t = time.perf_counter()
+        self._later(_observe_pick, core, req, first, decision.reason, t - t0)
         address_of = epp.address_of
         return Pick.of([address_of(e) for e in ranked], first.auth_header)
 
@@ -512,8 +520,8 @@ class ExtProcStream:
         if served is not None:
             name = served.name
             served.answered_at = time.monotonic()
-            core.metrics.requests_of(name, status).inc()
-            core.metrics.first_byte_of(name).observe(time.perf_counter() - self.t_pick)
+            first_byte = time.perf_counter() - self.t_pick
+            self._later(_observe_served, core.metrics, name, status, first_byte)
         if msg.response_headers.end_of_stream or (length and not event_stream):
             # An answer with a length comes from an engine that has finished the request.
             self.release()
@@ -561,7 +569,7 @@ class ExtProcStream:
             self.counted = served
             self.epp.core.metrics.decisions_of("failover").inc()
             if self.req is not None:
-                self.epp.core.scheduler.observe(self.req, served)
+                self._later(self.epp.core.scheduler.observe, self.req, served)
         return served
 
     def _response_body(self, b: pb.HttpBody) -> list[Answer]:
@@ -576,7 +584,22 @@ class ExtProcStream:
         ep, self.counted = self.counted, None
         if ep is not None:
             ep.in_flight -= 1
-            self.epp.core.metrics.latency_of(ep.name).observe(time.perf_counter() - self.t_pick)
+            latency = self.epp.core.metrics.latency_of(ep.name)
+            self._later(latency.observe, time.perf_counter() - self.t_pick)
+
+
+def _observe_pick(
+    core: Router, req: RoutingRequest, first: Endpoint, reason: str, seconds: float
+) -> None:
+    """A pick's bookkeeping: the stateful scorers learn where it went; metrics."""
+    core.scheduler.observe(req, first)
+    core.metrics.decisions_of(reason).inc()
+    core.metrics.routing_time.observe(seconds)
+
+
+def _observe_served(metrics: RouterMetrics, name: str, status: int, first_byte: float) -> None:
+    metrics.requests_of(name, status).inc()
+    metrics.first_byte_of(name).observe(first_byte)
 
 
 def _echo(data: bytes, end_of_stream: bool, request: bool) -> list[pb.ProcessingResponse]:
