@@ -18,8 +18,9 @@ Reads: a tier's chunks of one read are cut into a few groups of contiguous chunk
 thread; one task per thread takes groups until none is left, each read by one ``get`` call in
 that thread (backends read in the caller's thread: no per-chunk hand-off between pools). A
 read from tiers whose chunks may sit in the page cache (``fs``) starts with
-``cached_read_threads`` tasks (one on a small machine: a copy from the page cache is bound by
-memory bandwidth) and starts the others when a chunk has to wait on the device.
+``cached_read_threads`` tasks (two on a small machine: a copy from the page cache is bound by
+memory bandwidth, but each chunk's hash is not, and xxh3 releases the GIL, so one thread hashes
+while the other copies) and starts the others when a chunk has to wait on the device.
 
 Writes go in batches of ``write_batch`` chunks, each batch to every tier in turn; each chunk's
 header (its full-content hash) is made once for all tiers. The writer threads run under
@@ -63,9 +64,12 @@ PAUSE_BOUND_S = 1.0
 # Staging reads: groups of contiguous chunks per I/O thread, and the largest group.
 READ_GROUPS_PER_THREAD = 2
 MAX_READ_GROUP = 16
-# Staging reads from the page cache (memory copies and hashes, bound by memory bandwidth): one
-# thread per this many usable cores. On machine B (2 cores) one thread copies 13-14 GB/s from
-# the page cache, two or four together 10-13: more threads only take cores from the engine.
+# Staging reads from the page cache: a copy bound by memory bandwidth, then the chunk's hash
+# from the core's cache (xxh3 releases the GIL). Two threads overlap one's hash with the other's
+# copy: on machine B (2 cores) a plain read copies 12-15 GB/s with one thread or four, a
+# verified read 10 GB/s with one thread, 13 GB/s (a plain read's) with two. Beyond two, one
+# thread per this many usable cores (more copies only contend for memory bandwidth).
+MIN_CACHED_READ_THREADS = 2
 CORES_PER_CACHED_READ_THREAD = 4
 # Writer threads' scheduling (storage.lower_thread_priority): SCHED_IDLE, nice 19, unchanged.
 WRITER_POLICIES = ("idle", "nice", "normal")
@@ -127,7 +131,10 @@ class StorageWorker:
         # A staging read from tiers with page-cache reads starts with this many I/O threads
         # and takes all io_threads once a read waits on the device.
         if cached_read_threads is None:
-            cached_read_threads = usable_cores() // CORES_PER_CACHED_READ_THREAD
+            cores = usable_cores()
+            cached_read_threads = max(
+                min(MIN_CACHED_READ_THREADS, cores), cores // CORES_PER_CACHED_READ_THREAD
+            )
         self.cached_read_threads = max(1, min(io_threads, cached_read_threads))
         self.max_pending_writes = max_pending_writes
         self.write_batch = max(1, write_batch)
