@@ -370,6 +370,7 @@ static PyObject *plan_store(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     PyObject *result = NULL, *segments = NULL, *sums = NULL;
     SlotOfChunk *order = NULL;
+    int64_t *wblock = NULL;
     Py_ssize_t n_chunks = slots.len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t n_words = widx.len / (Py_ssize_t)sizeof(int64_t);
     if (block_bytes <= 0 || block_bytes % 8 || k <= 0 || pool.len % block_bytes ||
@@ -393,12 +394,26 @@ static PyObject *plan_store(PyObject *Py_UNUSED(module), PyObject *args)
             goto done;
         }
     order = PyMem_Malloc((n_chunks ? n_chunks : 1) * sizeof(SlotOfChunk));
+    /* Each sampled word as (block of the chunk, word in the block): no division per chunk. */
+    wblock = PyMem_Malloc((n_words ? n_words : 1) * 2 * sizeof(int64_t));
     segments = PyBytes_FromStringAndSize(NULL, n_chunks * k * 3 * (Py_ssize_t)sizeof(int64_t));
     sums = PyList_New(n_chunks);
-    if (order == NULL || segments == NULL || sums == NULL) {
-        if (order == NULL)
+    if (order == NULL || wblock == NULL || segments == NULL || sums == NULL) {
+        if (order == NULL || wblock == NULL)
             PyErr_NoMemory();
         goto done;
+    }
+    int64_t *woff = wblock + n_words;
+    for (Py_ssize_t j = 0; j < n_words; j++) {
+        wblock[j] = wi[j] / bw;
+        woff[j] = wi[j] % bw;
+    }
+    /* The sampled lines are cold (written before the last forward pass): ask for all of them
+     * first, so that their misses overlap instead of coming one chunk at a time. */
+    for (Py_ssize_t c = 0; c < n_chunks; c++) {
+        const int64_t *blocks = sid + c * k;
+        for (Py_ssize_t j = 0; j < n_words; j += 8)
+            __builtin_prefetch(words + blocks[wblock[j]] * bw + woff[j]);
     }
     for (Py_ssize_t c = 0; c < n_chunks; c++) {
         if (slot[c] < 0 || (slot[c] + 1) * k > dst_blocks) {
@@ -410,7 +425,7 @@ static PyObject *plan_store(PyObject *Py_UNUSED(module), PyObject *args)
         uint64_t sum = 0; /* unsigned: wraps mod 2**64 */
         const int64_t *blocks = sid + c * k;
         for (Py_ssize_t j = 0; j < n_words; j++)
-            sum += words[blocks[wi[j] / bw] * bw + wi[j] % bw] * m[j];
+            sum += words[blocks[wblock[j]] * bw + woff[j]] * m[j];
         PyObject *v = PyLong_FromUnsignedLongLong(sum);
         if (v == NULL)
             goto done;
@@ -445,6 +460,7 @@ static PyObject *plan_store(PyObject *Py_UNUSED(module), PyObject *args)
     result = Py_BuildValue("OO", segments, sums);
 done:
     PyMem_Free(order);
+    PyMem_Free(wblock);
     Py_XDECREF(segments);
     Py_XDECREF(sums);
     PyBuffer_Release(&pool);

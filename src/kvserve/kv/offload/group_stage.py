@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from kvserve.kv.offload.connector_state import JobRecord, RequestState
 from kvserve.kv.offload.manager import ChunkMeta
 from kvserve.kv.offload.storage_worker import ReadItem, StorageResult
-from kvserve.kv.offload.worker import ChunkCopy, TransferJob
+from kvserve.kv.offload.worker import ChunkCopy, TransferJob, WholeChunks
 
 if TYPE_CHECKING:
     from kvserve.engine.outputs import SchedulerOutput
@@ -303,10 +303,10 @@ class GroupOffloading:
         first: int,
         end: int,
         scheduler_output: SchedulerOutput,
-        chunks: list[ChunkCopy],
+        chunks: WholeChunks,
         pins: list[int],
     ) -> bool:
-        """:meth:`_reserve_store` for every KV cache group: each group's chunks under its own
+        """:meth:`_reserve_stores` for every KV cache group: each group's chunks under its own
         keys; a sliding group's chunk only while the window still holds all its blocks."""
         k = self.blocks_per_chunk
         mgr = self._mgr()
@@ -327,7 +327,7 @@ class GroupOffloading:
             sliding = self.group_windows[g] is not None
             if out is not None:
                 for key, slot in zip(out.keys_to_store, out.slots, strict=True):
-                    chunks.append(ChunkCopy(slot, key, ids_of[key]))
+                    chunks.add(slot, key, ids_of[key])
                     if sliding:
                         pins.extend(ids_of[key])
             if self.storage is not None and ids_of:  # no room in the host tier: spill

@@ -84,7 +84,7 @@ class ManagerStats:
     allocation_failures: int = 0  # prepare_store calls that could not store every key
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     slot: int
     ref: int  # -1 storing, 0 evictable, >0 readers
@@ -228,14 +228,8 @@ class OffloadingManager:
             def evictable(k: ChunkKey) -> bool:
                 return entries[k].ref == 0 and k not in protected
 
-            policy = self.policy
-            while len(evicted) < need:
-                victim = policy.choose_victim(evictable)
-                if victim is None:
-                    break
-                policy.evict(victim)
-                self._drop(victim, entries[victim], removed=True, in_policy=False)
-                evicted.append(victim)
+            evicted = self.policy.evict_many(need, evictable)
+            self._drop_evicted(evicted)
             self.stats.evicted += len(evicted)
             if len(evicted) < need:
                 fit = len(todo) - (need - len(evicted))
@@ -247,27 +241,30 @@ class OffloadingManager:
 
         slots = self.backend.allocate_slots(len(todo))
         for (key, meta), slot in zip(todo, slots, strict=True):
-            entries[key] = _Entry(slot=slot, ref=-1, meta=meta)
+            entries[key] = _Entry(slot, -1, meta)
         return PrepareStoreOutput([k for k, _ in todo], slots, evicted)
 
     def complete_store(self, keys: Iterable[ChunkKey], success: bool = True) -> None:
         """Stores of ``keys`` ended: make them loadable, or drop them on failure."""
+        keys = list(keys)
+        entries = self._entries
         stored: list[_Entry] = []
         for key in keys:
-            e = self._entries.get(key)
+            e = entries.get(key)
             if e is None or e.ref != -1:
                 raise RuntimeError(f"complete_store of chunk {key.hex()[:16]} that is not storing")
             if success:
                 e.ref = 0
-                self._num_evictable += 1
-                self.policy.insert(key)
-                self.stats.stored += 1
                 stored.append(e)
             else:
                 self.stats.store_failed += 1
                 self._drop(key, e, removed=False, in_policy=False)
-        if self.emit_events:
-            self._emit_stored(stored)
+        if success:
+            self._num_evictable += len(keys)
+            self.stats.stored += len(keys)
+            self.policy.insert_many(keys)
+            if self.emit_events:
+                self._emit_stored(stored)
 
     # -- invalid chunks -------------------------------------------------------------------
     def remove(self, keys: Iterable[ChunkKey]) -> None:
@@ -314,6 +311,25 @@ class OffloadingManager:
                     group_idx=e.meta.group_idx,
                 )
             )
+
+    def _drop_evicted(self, keys: list[ChunkKey]) -> None:
+        """:meth:`_drop` of evicted keys (evictable, already out of the policy), their slots
+        freed in one call."""
+        entries = self._entries
+        slots: list[int] = []
+        for key in keys:
+            e = entries.pop(key)
+            slots.append(e.slot)
+            if self.emit_events and e.meta is not None:
+                self._events.append(
+                    BlockRemoved(
+                        block_hashes=list(e.meta.block_hashes),
+                        medium=self.medium,
+                        group_idx=e.meta.group_idx,
+                    )
+                )
+        self._num_evictable -= len(keys)
+        self.backend.free_slots(slots)
 
     def _emit_stored(self, entries: list[_Entry]) -> None:
         """One BlockStored per run of chunks that continue each other's hash chain."""

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvserve.kv.offload.connector_state import (
@@ -30,7 +29,7 @@ from kvserve.kv.offload.connector_state import (
 )
 from kvserve.kv.offload.manager import LoadSpec
 from kvserve.kv.offload.storage_worker import ReadItem
-from kvserve.kv.offload.worker import ChunkCopy, TransferJob
+from kvserve.kv.offload.worker import ChunkCopy, TransferJob, WholeChunks
 
 if TYPE_CHECKING:
     from kvserve.engine.outputs import SchedulerOutput
@@ -194,16 +193,20 @@ class SchedulerSide:
                 extra -= n - 1
         if not check:
             return meta
-        chunks: list[ChunkCopy] = []
+        chunks = WholeChunks(self.blocks_per_chunk)
         store_reqs: list[str] = []
         pins: list[int] = []
-        for rid, request in check.items():
-            if self._plan_store(
-                rid, request, num_scheduled.get(rid), scheduler_output, chunks, pins
-            ):
-                store_reqs.append(rid)
+        if self.per_group:
+            for rid, request in check.items():
+                span = self._store_span(rid, request, num_scheduled.get(rid))
+                if span is not None and self._reserve_group_store(
+                    rid, request, *span, scheduler_output, chunks, pins
+                ):
+                    store_reqs.append(rid)
+        else:
+            self._reserve_stores(check, num_scheduled, scheduler_output, chunks, store_reqs)
         if chunks:  # one job for the step: one submission, one batch of copies
-            job = TransferJob(next(self._job_ids), is_store=True, chunks=chunks)
+            job = TransferJob(next(self._job_ids), True, chunks)
             if pins:
                 assert self.kvm is not None
                 self.kvm.pin_blocks(pins)
@@ -218,86 +221,99 @@ class SchedulerSide:
         st.due = step
         self._due.setdefault(step, []).append(rid)
 
-    def _plan_store(
-        self,
-        rid: str,
-        request: Request,
-        n_new: int | None,
-        scheduler_output: SchedulerOutput,
-        chunks: list[ChunkCopy],
-        pins: list[int],
-    ) -> bool:
-        """Reserve the chunks ``request`` completes this step (``n_new`` tokens scheduled,
-        None: not scheduled) and append their copies to ``chunks`` (True if any; the
-        sliding-window blocks they read to ``pins``); set when to look at the request
+    def _store_span(self, rid: str, request: Request, n_new: int | None) -> tuple[int, int] | None:
+        """The chunks ``first .. end - 1`` that ``request`` completes this step (``n_new``
+        tokens scheduled, None: not scheduled) and that are to be stored (None: none; chunks
+        past the pending-store bound are dropped, counted); set when to look at the request
         again."""
         st = self._reqs.get(rid)
         if st is None:
             st = self._reqs[rid] = RequestState(request)
         if st.finished:
-            return False
+            return None
         step = self._step
         if st.load_job is not None:  # its tokens are being loaded: look again next step
             self._check_at(rid, st, step + 1)
-            return False
-        k, ct = self.blocks_per_chunk, self.chunk_tokens
+            return None
+        ct = self.chunk_tokens
         # Tokens whose KV is valid once this step's forward ran.
         done = request.num_computed_tokens + (n_new or 0)
-        n_full = min(done // ct, len(request.block_hashes) // k)
-        job = False
-        if n_new and n_full > st.next_store_chunk:
-            first, st.next_store_chunk = st.next_store_chunk, n_full
+        n_full = min(done // ct, len(request.block_hashes) // self.blocks_per_chunk)
+        first = st.next_store_chunk
+        span = None
+        if n_new and n_full > first:
+            st.next_store_chunk = n_full
             if self._store_chunks_pending > self.max_pending_store_chunks:
                 self._counts["dropped_store_chunks"] += n_full - first  # earlier stores lag
-            elif self.per_group:
-                job = self._reserve_group_store(
-                    rid, request, first, n_full, scheduler_output, chunks, pins
-                )
             else:
-                job = self._reserve_store(rid, request, first, n_full, scheduler_output, chunks)
+                span = first, n_full
         # The next chunk fills after ``next_boundary - done`` more tokens: at one token per
         # step (a decode), that many steps from now; sooner only by computing more than one
         # token in a step, which build_connector_meta catches on its own.
         self._check_at(rid, st, step + max(1, (st.next_store_chunk + 1) * ct - done))
-        return job
+        return span
 
-    def _reserve_store(
+    def _reserve_stores(
         self,
-        rid: str,
-        request: Request,
-        first: int,
-        end: int,
+        check: dict[str, Request],
+        num_scheduled: dict[str, int],
         scheduler_output: SchedulerOutput,
-        chunks: list[ChunkCopy],
-    ) -> bool:
-        """Reserve tier slots for chunks ``first .. end - 1`` of ``request`` not held yet
-        (keys already held or being stored are skipped by the manager)."""
+        chunks: WholeChunks,
+        store_reqs: list[str],
+    ) -> None:
+        """Reserve tier slots for the chunks that the requests in ``check`` complete this step,
+        all in one call to the manager (keys already held or being stored are skipped), and
+        add their copies to ``chunks`` and their requests to ``store_reqs``. Per request, a few
+        slices; no Python per chunk here but the manager's bookkeeping."""
         k = self.blocks_per_chunk
-        keys = self._chunk_keys(request, first, end)
+        keys: list[bytes] = []
+        spans: list[tuple[str, Request, int, int]] = []
+        for rid, request in check.items():
+            span = self._store_span(rid, request, num_scheduled.get(rid))
+            if span is not None:
+                first, end = span
+                spans.append((rid, request, first, end))
+                keys += request.block_hashes[first * k + k - 1 : end * k : k]
+        if not keys:
+            return
         metas = (
-            [self._chunk_meta(request, i) for i in range(first, end)] if self.emit_events else None
+            [self._chunk_meta(r, i) for _, r, first, end in spans for i in range(first, end)]
+            if self.emit_events
+            else None
         )
         mgr = self._mgr()
         out = mgr.prepare_store(keys, metas)
-        block_ids = scheduler_output.block_ids[rid]
-        n = len(chunks)
+        block_ids = scheduler_output.block_ids
         if out is not None and len(out.keys_to_store) == len(keys):  # the usual case
-            chunk_ids: Sequence[int] = range(first, end)
-        else:
-            index = {key: first + j for j, key in enumerate(keys)}
-            chunk_ids = [index[key] for key in out.keys_to_store] if out is not None else []
-            if self.storage is not None:  # no room in the host tier: on to storage anyway
-                for key in keys:
-                    if mgr.slot_of(key) is None and key not in self._spills:
-                        i = index[key]
-                        meta = metas[i - first] if metas is not None else None
-                        self._spill(key, meta, block_ids[i * k : (i + 1) * k], chunks)
+            chunks.slots += out.slots
+            chunks.keys += keys
+            ids = chunks.block_ids
+            for rid, _, first, end in spans:
+                ids += block_ids[rid][first * k : end * k]
+                store_reqs.append(rid)
+            return
+        # Some keys held already, repeated, or no room: map the reserved keys back to their
+        # requests (a key twice in this step: its first request's blocks).
+        owner: dict[bytes, tuple[int, int, int]] = {}  # key -> (span, chunk, index in keys)
+        j = 0
+        for s, (_, _, first, end) in enumerate(spans):
+            for i in range(first, end):
+                owner.setdefault(keys[j], (s, i, j))
+                j += 1
+        used = [False] * len(spans)
         if out is not None:
-            chunks.extend(
-                ChunkCopy(slot, key, block_ids[i * k : (i + 1) * k])
-                for i, key, slot in zip(chunk_ids, out.keys_to_store, out.slots, strict=True)
-            )
-        return len(chunks) > n
+            for key, slot in zip(out.keys_to_store, out.slots, strict=True):
+                s, i, _ = owner[key]
+                chunks.add(slot, key, block_ids[spans[s][0]][i * k : i * k + k])
+                used[s] = True
+        if self.storage is not None:  # no room in the host tier: on to storage anyway
+            for key, (s, i, j) in owner.items():
+                if mgr.slot_of(key) is None and key not in self._spills:
+                    n = len(chunks)
+                    meta = metas[j] if metas is not None else None
+                    self._spill(key, meta, block_ids[spans[s][0]][i * k : i * k + k], chunks)
+                    used[s] = used[s] or len(chunks) > n
+        store_reqs += [span[0] for span, u in zip(spans, used, strict=True) if u]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         rid = request.request_id

@@ -29,7 +29,7 @@ from kvserve.kv.events import BlockRemoved
 from kvserve.kv.offload.connector_state import JobRecord, TierLookup
 from kvserve.kv.offload.manager import ChunkMeta, OffloadingManager, finish_extra_keys
 from kvserve.kv.offload.storage_worker import StorageResult
-from kvserve.kv.offload.worker import ChunkCopy
+from kvserve.kv.offload.worker import WholeChunks
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class StorageTiers:
             self._write(keys, attempt=1)
 
     def _spill(
-        self, key: bytes, meta: ChunkMeta | None, block_ids: list[int], chunks: list[ChunkCopy]
+        self, key: bytes, meta: ChunkMeta | None, block_ids: list[int], chunks: WholeChunks
     ) -> None:
         """A chunk the host tier had no room for: copy it to a spill slot, from where it is
         written to the storage tiers (dropped, counted, when every spill slot is in use)."""
@@ -195,7 +195,7 @@ class StorageTiers:
         slot = self._spill_free.pop()
         self._spills[key] = (slot, meta)
         self._counts["tier_spilled_chunks"] += 1
-        chunks.append(ChunkCopy(slot, key, block_ids))
+        chunks.add(slot, key, block_ids)
 
     def _write_spilled(self, keys: list[bytes], copied: bool) -> None:
         """Spilled chunks were copied to their spill slots: write them to the storage tiers

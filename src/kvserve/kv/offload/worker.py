@@ -70,20 +70,76 @@ class ChunkCopy:
 
 
 @dataclass
+class WholeChunks:
+    """Copies of whole chunks as columns: chunk ``i`` is tier slot ``slots[i]``, key
+    ``keys[i]``, primary-pool blocks ``block_ids[i * k:(i + 1) * k]``. A store is built so, a
+    few slices per request, rather than an object per chunk."""
+
+    blocks_per_chunk: int
+    slots: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    def add(self, slot: int, key: bytes, block_ids: list[int]) -> None:
+        """One more chunk (``blocks_per_chunk`` blocks)."""
+        self.slots.append(slot)
+        self.keys.append(key)
+        self.block_ids += block_ids
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
 class TransferJob:
-    job_id: int
-    is_store: bool
-    chunks: list[ChunkCopy]
-    submitted_forward: int = 0  # the CPU worker's (or its gate's) forward-pass count at submission
-    submitted_at: float = 0.0  # time.monotonic() at submission (CPU worker)
-    # A CPU store's byte segments (:func:`host_segments`) and source checksums, prepared on
-    # the submitting thread; None: the transfer thread works them out.
-    segments: np.ndarray | None = None
-    checksums: list[int] | None = None
+    """Copies of a few chunks in one direction: ``chunks``, or, for whole chunks (every store),
+    :class:`WholeChunks`, whose :class:`ChunkCopy` list is made only where a path needs one."""
+
+    def __init__(self, job_id: int, is_store: bool, chunks: list[ChunkCopy] | WholeChunks):
+        self.job_id = job_id
+        self.is_store = is_store
+        self.whole = chunks if isinstance(chunks, WholeChunks) else None
+        self._chunks = None if self.whole is not None else chunks
+        # The CPU worker's (or its gate's) forward-pass count, and time.monotonic(), at
+        # submission.
+        self.submitted_forward = 0
+        self.submitted_at = 0.0
+        # A CPU store's byte segments (:func:`host_segments`) and source checksums, prepared on
+        # the submitting thread; None: the transfer thread works them out.
+        self.segments: np.ndarray | None = None
+        self.checksums: list[int] | None = None
+
+    @property
+    def chunks(self) -> list[ChunkCopy]:
+        if self._chunks is None:
+            w = self.whole
+            k, ids = w.blocks_per_chunk, w.block_ids
+            self._chunks = [
+                ChunkCopy(slot, key, ids[i * k : (i + 1) * k])
+                for i, (slot, key) in enumerate(zip(w.slots, w.keys, strict=True))
+            ]
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: list[ChunkCopy]) -> None:
+        self._chunks, self.whole = chunks, None
+
+    @property
+    def keys(self) -> list[bytes]:
+        return self.whole.keys if self.whole is not None else [c.key for c in self._chunks]
+
+    @property
+    def slots(self) -> list[int]:
+        return self.whole.slots if self.whole is not None else [c.slot for c in self._chunks]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.whole) if self.whole is not None else len(self._chunks)
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(c.block_ids) for c in self.chunks)
+        if self.whole is not None:
+            return len(self.whole.block_ids)
+        return sum(len(c.block_ids) for c in self._chunks)
 
 
 @dataclass
@@ -250,16 +306,22 @@ class CpuTransferWorker(TransferWorker):
         there, woken cold, numpy took 0.3-0.7 ms for the same while holding the GIL, and the
         engine's next forward pass waited for it. The source blocks are full and held until
         the store ends: their bytes cannot change meanwhile."""
-        chunks, k = job.chunks, self.tier.layout.blocks_per_chunk
+        k = self.tier.layout.blocks_per_chunk
         try:
-            src_ids = [b for c in chunks for b in c.block_ids]
-            if self._gate is not None and len(src_ids) == k * len(chunks) and self._sampled:
+            whole = job.whole
+            if whole is None and all(len(c.block_ids) == k for c in job.chunks):
+                whole = WholeChunks(k)
+                for c in job.chunks:
+                    whole.add(c.slot, c.key, c.block_ids)
+            if self._gate is not None and whole is not None and self._sampled:
                 # Whole chunks (a store's are): segments and checksums in one native call.
                 job.segments, job.checksums = plan_store(
                     self._store_src, self.tier.layout.block_bytes, k, self.tier.blocks.shape[0],
-                    src_ids, [c.slot for c in chunks], self._sampled,
+                    whole.block_ids, whole.slots, self._sampled,
                 )  # fmt: skip
                 return
+            chunks = job.chunks
+            src_ids = [b for c in chunks for b in c.block_ids]
             if self._gate is not None:
                 job.segments = host_segments(
                     self.kv_cache, self.tier.blocks, src_ids, _tier_ids(self.tier, chunks)
@@ -432,9 +494,9 @@ class CpuTransferWorker(TransferWorker):
                 return [r for job in batch for r in self._run_safe([job])]
             job = batch[0]
             logger.exception("KV transfer job %d failed", job.job_id)
-            return [TransferResult(job.job_id, ok=False, bad_chunks=list(range(len(job.chunks))))]
+            return [TransferResult(job.job_id, ok=False, bad_chunks=list(range(job.num_chunks)))]
 
-    def _copy_store_gated(self, batch: list[TransferJob], chunks: list[ChunkCopy]) -> list[float]:
+    def _copy_store_gated(self, batch: list[TransferJob]) -> list[float]:
         """A store batch's copy, gated natively by the forward passes (lag and deadline from
         its first job), running loads queued meanwhile. Returns [CPU s copied during forward
         passes, CPU s of those loads]."""
@@ -442,7 +504,7 @@ class CpuTransferWorker(TransferWorker):
         src, dst = self._store_src, self._store_dst
         # Not prepared at submission (a bad job, which fails here): work them out now.
         if any(job.segments is None for job in batch):
-            ids = _store_ids(self.tier, chunks)
+            ids = _store_ids(self.tier, [c for job in batch for c in job.chunks])
             segments = host_segments(self.kv_cache, self.tier.blocks, *ids)[2]
         elif len(batch) == 1:
             segments = head.segments
@@ -465,9 +527,10 @@ class CpuTransferWorker(TransferWorker):
                 self._publish(self._run_safe(loads))
                 cpu[1] += time.thread_time() - t
 
-    def _copy_store_held(self, head: TransferJob, chunks: list[ChunkCopy]) -> list[float]:
+    def _copy_store_held(self, batch: list[TransferJob]) -> list[float]:
         """The same as :meth:`_copy_store_gated`, waiting in Python (:meth:`_hold_store`):
         without the native extension."""
+        head, chunks = batch[0], [c for job in batch for c in job.chunks]
         # CPU time at the last piece, in forward passes so far, running loads meanwhile.
         cpu = [time.thread_time(), 0.0, 0.0]
         in_forward = [False]
@@ -494,30 +557,33 @@ class CpuTransferWorker(TransferWorker):
         batch's time, by bytes."""
         t0 = time.perf_counter()
         tier = self.tier
-        chunks = [c for job in batch for c in job.chunks]
         if batch[0].is_store:
             t_cpu = time.thread_time()
             if self._gate is not None:
                 # [CPU s in forward passes, CPU s of loads run meanwhile]
-                cpu = self._copy_store_gated(batch, chunks)
+                cpu = self._copy_store_gated(batch)
             else:
-                cpu = self._copy_store_held(batch[0], chunks)
+                cpu = self._copy_store_held(batch)
             # Checksums of the source: a copy that went wrong fails the load's verification.
             if all(job.checksums is not None for job in batch):
                 sums = [c for job in batch for c in job.checksums]
             else:
                 sums = block_checksums(
-                    self._kv_u8, [c.block_ids for c in chunks], tier.layout.blocks_per_chunk
+                    self._kv_u8,
+                    [c.block_ids for job in batch for c in job.chunks],
+                    tier.layout.blocks_per_chunk,
                 )
-            tier.record([c.slot for c in chunks], [c.key for c in chunks], sums)
-            good = [True] * len(chunks)
+            slots = [s for job in batch for s in job.slots]
+            tier.record(slots, [key for job in batch for key in job.keys], sums)
+            good = None  # every chunk
             self.store_cpu_s += time.thread_time() - t_cpu - cpu[1]
             self.store_cpu_in_forward_s += cpu[0]
         else:
             # Every chunk is copied while this thread verifies them (the copy threads do not
             # wait for it): a chunk that fails is reported bad, and the connector has its blocks
             # and the request's later ones recomputed, so its copied bytes are never read.
-            good: list[bool] = []
+            chunks = [c for job in batch for c in job.chunks]
+            good = []
             copy_blocks(
                 tier.blocks, self.kv_cache, _tier_ids(tier, chunks),
                 [b for c in chunks for b in c.block_ids], threads=self._copy_threads,
@@ -527,16 +593,25 @@ class CpuTransferWorker(TransferWorker):
             )  # fmt: skip
         seconds = time.perf_counter() - t0
         block_bytes = tier.layout.block_bytes
-        total = sum(len(c.block_ids) for c, g in zip(chunks, good, strict=True) if g)
         results, i = [], 0
-        for job in batch:
-            ok = good[i : i + len(job.chunks)]
-            i += len(job.chunks)
-            bad = [j for j, g in enumerate(ok) if not g]
-            blocks = sum(len(c.block_ids) for c, g in zip(job.chunks, ok, strict=True) if g)
-            share = blocks / total if total else 1.0 / len(batch)
+        if good is None:
+            blocks = [job.num_blocks for job in batch]
+            oks = [True] * len(batch)
+        else:
+            blocks, oks = [], []
+            for job in batch:
+                ok = good[i : i + job.num_chunks]
+                i += job.num_chunks
+                blocks.append(
+                    sum(len(c.block_ids) for c, g in zip(job.chunks, ok, strict=True) if g)
+                )
+                oks.append(ok)
+        total = sum(blocks)
+        for job, n, ok in zip(batch, blocks, oks, strict=True):
+            bad = [] if ok is True else [j for j, g in enumerate(ok) if not g]
+            share = n / total if total else 1.0 / len(batch)
             results.append(
-                TransferResult(job.job_id, not bad, bad, blocks * block_bytes, seconds * share)
+                TransferResult(job.job_id, not bad, bad, n * block_bytes, seconds * share)
             )
         return results
 

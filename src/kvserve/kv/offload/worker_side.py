@@ -102,13 +102,14 @@ class WorkerSide:
             if rec is None:
                 continue
             job, rid = rec.job, rec.req_id
-            keys = [c.key for c in job.chunks]
+            keys = job.keys
             if job.is_store:
                 self._store_chunks_pending -= len(keys)
                 if self._spills:
-                    spilled = [c.key for c in job.chunks if c.slot >= self.tier.num_slots]
+                    n = self.tier.num_slots
+                    spilled = [k for k, s in zip(keys, job.slots, strict=True) if s >= n]
                     if spilled:
-                        keys = [c.key for c in job.chunks if c.slot < self.tier.num_slots]
+                        keys = [k for k, s in zip(keys, job.slots, strict=True) if s < n]
                         self._write_spilled(spilled, res.ok)
                 mgr.complete_store(keys, success=res.ok)
                 if rec.pinned:

@@ -9,7 +9,7 @@ among the keys that pass, or None.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 
 Key = Hashable
 
@@ -41,6 +41,22 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def evict(self, key: Key) -> None:
         """``key`` (returned by :meth:`choose_victim`) is evicted."""
+
+    def insert_many(self, keys: Iterable[Key]) -> None:
+        """:meth:`insert` of each of ``keys``, in order (one call for a step's stores)."""
+        for key in keys:
+            self.insert(key)
+
+    def evict_many(self, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        """Choose and evict up to ``n`` keys passing ``evictable``, best victims first."""
+        victims: list[Key] = []
+        while len(victims) < n:
+            key = self.choose_victim(evictable)
+            if key is None:
+                break
+            self.evict(key)
+            victims.append(key)
+        return victims
 
     @abstractmethod
     def __len__(self) -> int: ...

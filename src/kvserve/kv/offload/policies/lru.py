@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvserve.kv.offload.policies import EvictionPolicy, Key
 
@@ -18,6 +18,12 @@ class LRUPolicy(EvictionPolicy):
     def insert(self, key: Key) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
+
+    def insert_many(self, keys: Iterable[Key]) -> None:
+        order = self._order
+        for key in keys:
+            order[key] = None
+            order.move_to_end(key)
 
     def touch(self, key: Key) -> None:
         if key in self._order:
@@ -34,6 +40,19 @@ class LRUPolicy(EvictionPolicy):
 
     def evict(self, key: Key) -> None:
         del self._order[key]
+
+    def evict_many(self, n: int, evictable: Callable[[Key], bool]) -> list[Key]:
+        victims: list[Key] = []
+        if n > 0:
+            for key in self._order:  # one pass from the least recent
+                if evictable(key):
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+        order = self._order
+        for key in victims:
+            del order[key]
+        return victims
 
     def keys(self) -> list[Key]:
         """Held keys, least recently used first."""
