@@ -300,6 +300,35 @@ def test_sweeper_runs_on_its_own(make) -> None:
     assert b.usage()[0] <= 20 * STORED and b.stats.evicted >= 10
 
 
+def test_sweeper_sweeps_early_only_with_something_to_evict(make) -> None:
+    """An early sweep lists and stats every file of the namespace: this instance's writes
+    (``sweep_after``, 5% of the size by default) bring one forward only once the namespace
+    (as the last sweep found it, plus these writes) exceeds the size, or after 4x
+    ``sweep_after`` (other instances' writes show only in a listing)."""
+    b = make(chunks=40, sweep_after=None)  # early after 2 chunks; a rescan after 8
+    assert b.sweep_after == 2 * STORED
+    swept: list[int] = []
+    sweep = b.sweep
+
+    def counted() -> int:
+        swept.append(sweep())
+        return swept[-1]
+
+    b.sweep = counted  # type: ignore[method-assign]  # the background sweeper's call
+    keys, payloads = chunks(48)
+    for k, p in zip(keys[:8], payloads[:8], strict=True):  # 20% of the size: nothing to evict
+        assert b.put([k], [p]) == [True]
+    time.sleep(0.5)  # a sweep woken by these writes would have run
+    assert swept == [] and b.usage() == (8 * STORED, 40 * STORED)
+    for k, p in zip(keys[8:], payloads[8:], strict=True):  # over the size: swept early
+        assert b.put([k], [p]) == [True]
+    deadline = time.monotonic() + 60
+    while b.usage()[0] > 40 * STORED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b.usage()[0] <= 40 * STORED and b.stats.evicted >= 8 and sum(swept) >= 8
+    assert len(swept) <= 6, swept  # rescans every 8 chunks (5 of 40 written), one over size
+
+
 def _sweep_in_process(root: str, rounds: int) -> tuple[int, float]:
     """Writes and sweeps (its own background sweeper too); returns (deleted, I/O errors)."""
     b = create_backend("fs", CODEC, path=root, size=f"{10 * STORED}B", sweep_interval=0.01)

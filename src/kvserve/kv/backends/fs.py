@@ -44,9 +44,14 @@ Retention is LRU-ish across instances: a write and a hit set the file's mtime (t
 nanosecond; a hit on a file touched less than ``TOUCH_AFTER_S`` ago leaves it: recency to
 within seconds is enough for retention, and a hit then costs no metadata write, an RPC on
 NFS), and a sweep (every ``sweep_interval``, and early once this instance wrote
-``sweep_after`` bytes since the last one) deletes the least recently used files until the
-namespace holds 90% of ``size``, plus temporary files left for more than a minute by a writer
-that died. Instances may sweep at once: a file another one already deleted is skipped.
+``sweep_after`` bytes since the last one and what that sweep found plus what it wrote since
+exceeds ``size``, or wrote 4x ``sweep_after``: what other instances wrote shows only in a
+listing) deletes the least recently used files until the namespace holds 90% of ``size``, plus
+temporary files left for more than a minute by a writer that died. A sweep lists and stats
+every file of the namespace: sweeping only when there is something to evict halves the
+sweeps of a full tier under a steady stream (from 90% of ``size`` a sweep every 10% of it
+written, not every 5%) and leaves a filling one to its interval (and every 20% of ``size``).
+Instances may sweep at once: a file another one already deleted is skipped.
 
 An evicted file is not deleted but moved to ``<namespace>/spare/`` (up to 15% of ``size``:
 what a sweep evicts and what is written until the next one), and a write takes a spare file
@@ -92,7 +97,8 @@ TMP_MAX_AGE_S = 60.0  # a temporary file older than this belongs to a writer tha
 SPARE_DIR = "spare"  # evicted chunk files kept for the next writes to reuse
 SPARE_RELIST_S = 1.0  # a writer that found no spare lists the directory again after this
 SWEEP_LOW_WATER = 0.9  # a sweep deletes down to this fraction of size
-SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that trigger a sweep early
+SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that may trigger a sweep early
+SWEEP_RESCAN = 4  # x sweep_after written: an early sweep anyway (others' writes show in listings)
 TOUCH_AFTER_S = 10.0  # a hit sets the mtime of a file untouched for longer than this
 # A writer process that sweeps reports the namespace's bytes under this name in its counters.
 USAGE_STAT = "fs_usage_bytes"
@@ -532,7 +538,7 @@ class FsBackend(StorageBackend):
         )
         with self._lock:
             self._written_since_sweep += nbytes
-            early = 0 < self.sweep_after < self._written_since_sweep
+            early = self._sweep_due()
         if early:
             self._wake.set()
         return [not isinstance(r, OSError) for r in res]
@@ -567,7 +573,7 @@ class FsBackend(StorageBackend):
                 self._used, self._written_since_sweep = int(used), 0
             else:  # bytes a writer process put here bring this instance's next sweep forward
                 self._written_since_sweep += int(stats.get("written", 0)) * self.stored_bytes
-                early = 0 < self.sweep_after < self._written_since_sweep
+                early = self._sweep_due()
         if early:
             self._wake.set()
         return out
@@ -585,6 +591,16 @@ class FsBackend(StorageBackend):
         except OSError as e:
             self._io_error("delete a file", e)
             return False
+
+    def _sweep_due(self) -> bool:
+        """Whether this instance's writes since the last sweep call for one now (``_lock``
+        held): ``sweep_after`` bytes at least, and the namespace over ``size`` as the last
+        sweep found it plus these writes (else it would evict nothing), or ``SWEEP_RESCAN``
+        times ``sweep_after`` (other instances' writes show only in a listing)."""
+        written = self._written_since_sweep
+        if not 0 < self.sweep_after < written:
+            return False
+        return self._used + written > self.size_bytes or written > SWEEP_RESCAN * self.sweep_after
 
     def usage(self) -> tuple[int, int]:
         with self._lock:
