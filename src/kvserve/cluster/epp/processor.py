@@ -80,6 +80,10 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 ENDPOINT_RESPONSE_HEADER = "x-kvserve-endpoint"  # who served it, as the HTTP router says
+# The headers the EPP reads, of a request (besides the router's session header) and of an
+# answer: a gateway may send it only these (Envoy's ext_proc ``forward_rules``).
+REQUEST_HEADERS_READ = (":path", "authorization")
+RESPONSE_HEADERS_READ = (":status", "content-length", "content-type", SERVED_KEY)
 ECHO_CHUNK = 60 << 10  # body echoed back in pieces of at most this (Envoy's own are ~62 KB)
 _EXT_PROC_ATTRS = "envoy.filters.http.ext_proc"
 

@@ -37,7 +37,7 @@ from prometheus_client import Gauge
 from kvserve.cluster.endpoints import Endpoint
 from kvserve.cluster.epp.grpc_server import Call, GrpcServer, Method
 from kvserve.cluster.epp.health import HealthService
-from kvserve.cluster.epp.processor import ExtProcStream
+from kvserve.cluster.epp.processor import REQUEST_HEADERS_READ, ExtProcStream
 from kvserve.cluster.gateway import Router, wait_for_stop_signal
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class EndpointPicker:
         self.max_in_flight = cfg.max_connections_per_endpoint + cfg.max_queue_per_endpoint
         self.session_header = cfg.session_header.lower()
         # The request headers a stream keeps (the rest are not read: not decoded either)
-        self.request_headers = frozenset((":path", "authorization", self.session_header))
+        self.request_headers = frozenset((*REQUEST_HEADERS_READ, self.session_header))
         self.streams = 0  # ext_proc streams open
         self.health = HealthService()  # the statuses (served by either transport)
         self._aio_health: health.aio.HealthServicer | None = None
