@@ -173,6 +173,8 @@ class Harness:
         mgr = self.conn.manager
         assert all(mgr.ref_count(k) == 0 for k in list(mgr._entries))
         mgr.check_integrity()
+        # The metadata shared by quiet steps was never given work.
+        assert all(not (m.loads or m.stores or m.reads) for m in self.conn._quiet_meta)
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -231,6 +233,44 @@ def test_partial_chunk_after_primary_hit(k: int) -> None:
     assert job.chunks[0].offset == (hit // BS) % k
     assert sum(len(c.block_ids) for c in job.chunks) * BS == ext
     assert h.done["b"].output_token_ids == reference_outputs([a, a + [7]], 2)[1]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_one_store_per_step_for_every_request_and_a_chunk_computed_twice(k: int) -> None:
+    """A step's completed chunks go to the tier as one job, every request's at once; a chunk
+    two requests compute in the same step (the same prompt admitted together) is stored once,
+    from the first one's blocks, and only that one waits for the store."""
+    h = Harness(num_blocks=64, offload_chunks=64, blocks_per_chunk=k, max_num_seqs=4,
+                max_num_batched_tokens=64)  # fmt: skip
+    rng = random.Random(9 + k)
+    shared = prompt(rng, 3 * k * BS + 1)
+    other = prompt(rng, 2 * k * BS + 2)
+    for rid, p in (("a", shared), ("b", list(shared)), ("c", other)):
+        h.add(rid, p, 3)
+    so = h.sched.schedule()
+    meta = so.kv_connector_metadata
+    (job,) = meta.stores
+    assert job.keys == h.conn._chunk_keys(h.sched.running[0], 0, 3) + h.conn._chunk_keys(
+        h.sched.running[2], 0, 2
+    )
+    assert len(set(job.keys)) == job.num_chunks == 5 and job.num_blocks == 5 * k
+    assert [c.block_ids for c in job.chunks[:3]] == [
+        so.block_ids["a"][i * k : (i + 1) * k] for i in range(3)
+    ]
+    (rec,) = [r for r in h.conn._jobs.values() if r.job is job]
+    assert rec.store_reqs == ["a", "c"]
+    # Finish that step as the engine would, then the rest.
+    h.conn.start_load_kv(meta)
+    mro = h._run_forward(so)
+    h.conn.wait_for_save(meta)
+    h.conn.worker.wait([job.job_id])
+    co = h.conn.get_finished(so.finished_req_ids)
+    mro.finished_sending |= co.finished_sending
+    h.sched.update_from_output(so, mro)
+    h.run()
+    assert h.conn.stats().extra["stored_chunks"] >= 5
+    ref = reference_outputs([shared, shared, other], 3)
+    assert [h.done[r].output_token_ids for r in "abc"] == ref
 
 
 def test_concurrent_requests_on_same_chunks_both_load() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.kv.offload.policies import create_policy
 from kvserve.kv.offload.policies.arc import ARCPolicy
@@ -100,3 +102,30 @@ def test_arc_ghost_lists_are_bounded() -> None:
         assert len(p.t1) + len(p.b1) <= c
         assert len(p.t1) + len(p.t2) + len(p.b1) + len(p.b2) <= 2 * c
         assert 0 <= p.target <= c
+
+
+@pytest.mark.parametrize("name", ["lru", "arc"])
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("itve"), st.integers(0, 12), st.integers(0, 6))))
+def test_bulk_insert_and_evict_equal_one_at_a_time(name: str, ops) -> None:
+    """insert_many / evict_many (one call per step's stores and evictions) leave the same
+    order and pick the same victims as insert / choose_victim + evict one key at a time."""
+    bulk, single = create_policy(name, 8), create_policy(name, 8)
+    held: set[int] = set()
+    for op, key, n in ops:
+        if op == "i":  # a run of new keys
+            keys = [k for k in range(key, key + n) if k not in held]
+            bulk.insert_many(keys)
+            for k in keys:
+                single.insert(k)
+            held.update(keys)
+        elif op == "t" and key in held:
+            bulk.touch(key)
+            single.touch(key)
+        elif op in "ve":  # evict up to n, skipping odd keys for "v"
+            ok = (lambda k: k % 2 == 0) if op == "v" else always
+            got = bulk.evict_many(n, ok)
+            assert got == drain(single, n, ok)
+            held.difference_update(got)
+        assert len(bulk) == len(single) == len(held)
+    assert bulk.evict_many(100, always) == drain(single, 100)

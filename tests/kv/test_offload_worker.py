@@ -15,6 +15,7 @@ from kvserve.kv.offload.worker import (
     ChunkCopy,
     CpuTransferWorker,
     TransferJob,
+    WholeChunks,
     make_transfer_worker,
 )
 
@@ -158,6 +159,43 @@ def test_store_zero_load_round_trip(k: int) -> None:
             assert res.ok and torch.equal(kv[dst], original[blocks[1][1:]])
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_store_as_columns_equals_store_of_chunk_copies(k: int) -> None:
+    """A store given as columns (:class:`WholeChunks`, as the connector builds it) writes the
+    same bytes and headers as the same chunks given one :class:`ChunkCopy` each."""
+    kv = kv_cache(7)
+    blocks = [[2 + 4 * i + j for j in range(k)] for i in range(4)]
+    slots, keys = [3, 0, 5, 1], [b"p", b"q", b"r", b"s"]
+    tiers = []
+    for columns in (False, True):
+        tier = tier_for(kv, k, slots=6)
+        worker = make_transfer_worker(kv, tier)
+        try:
+            if columns:
+                chunks = WholeChunks(k)
+                for s, key, b in zip(slots, keys, blocks, strict=True):
+                    chunks.add(s, key, b)
+                job = TransferJob(1, True, chunks)
+                assert job.keys == keys and job.slots == slots and job.num_blocks == 4 * k
+                assert [(c.slot, c.key, c.block_ids, c.offset) for c in job.chunks] == [
+                    (s, key, b, 0) for s, key, b in zip(slots, keys, blocks, strict=True)
+                ]
+                job = TransferJob(1, True, chunks)  # the worker's path, not materialized
+            else:
+                copies = zip(slots, keys, blocks, strict=True)
+                job = TransferJob(1, True, [ChunkCopy(s, key, b) for s, key, b in copies])
+            worker.submit(job)
+            (res,) = wait_results(worker, 1)
+            assert res.ok and res.nbytes == 4 * k * tier.layout.block_bytes
+            assert tier.verify(slots, keys) == [True] * 4
+            tiers.append(tier)
+        finally:
+            worker.shutdown()
+    assert torch.equal(tiers[0].blocks, tiers[1].blocks)
+    for s, b in zip(slots, blocks, strict=True):
+        assert torch.equal(tiers[1].chunk_view(s), kv[b])
 
 
 def test_load_of_corrupt_or_wrong_chunk_is_reported() -> None:

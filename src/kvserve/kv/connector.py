@@ -38,6 +38,10 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
 
 
+# A step's report when nothing finished: shared, read-only (frozensets: an update fails loudly).
+NO_TRANSFERS = KVConnectorOutput(frozenset(), frozenset(), frozenset())  # type: ignore[arg-type]
+
+
 @dataclass
 class KVConnectorStats:
     """Counters a connector exposes for metrics (monotonic totals)."""

@@ -112,6 +112,12 @@ class OffloadingConnector(
         # can fill at one token per step (entries whose request moved on are skipped).
         self._step = 0
         self._due: dict[int, list[str]] = {}
+        # The metadata of a step with nothing to load, stage or store (without, with a forward
+        # pass): shared, never changed.
+        self._quiet_meta = (
+            OffloadConnectorMetadata(forward=False),
+            OffloadConnectorMetadata(forward=True),
+        )
         # Store chunks submitted and not completed (stores may lag: see the worker), and the
         # most allowed: beyond it later steps' chunks are not stored (counted), since every
         # lagging store holds primary-pool blocks of its (maybe finished) request.
@@ -250,10 +256,8 @@ class OffloadingConnector(
 
     def _chunk_keys(self, request: Request, first: int, end: int, group: int = 0) -> list[bytes]:
         k = self.blocks_per_chunk
-        hashes = request.block_hashes
-        if group:
-            return [group_chunk_key(hashes[(i + 1) * k - 1], group) for i in range(first, end)]
-        return [hashes[(i + 1) * k - 1] for i in range(first, end)]
+        keys = request.block_hashes[(first + 1) * k - 1 : end * k : k]
+        return [group_chunk_key(key, group) for key in keys] if group else keys
 
     def _chunk_meta(self, request: Request, i: int, group: int = 0) -> ChunkMeta:
         k, bs = self.blocks_per_chunk, self.block_size

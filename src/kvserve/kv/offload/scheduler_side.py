@@ -167,22 +167,27 @@ class SchedulerSide:
         st.load_job = job.job_id
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
-        meta = OffloadConnectorMetadata(loads=self._loads_to_start, reads=self._reads_to_start)
-        self._loads_to_start, self._reads_to_start = [], []
-        meta.forward = scheduler_output.total_num_scheduled_tokens > 0
         step = self._step = self._step + 1
+        total = scheduler_output.total_num_scheduled_tokens
+        scheduled = scheduler_output.scheduled
+        extra = total - len(scheduled)  # tokens beyond one per request: prefills
+        due = self._due.pop(step, None)
+        if due is None and extra <= 0 and not self._loads_to_start and not self._reads_to_start:
+            return self._quiet_meta[total > 0]  # most decode steps: nothing to start or plan
+        meta = OffloadConnectorMetadata(
+            loads=self._loads_to_start, reads=self._reads_to_start, forward=total > 0
+        )
+        self._loads_to_start, self._reads_to_start = [], []
         num_scheduled = scheduler_output.num_scheduled_tokens
         # Requests that may complete a chunk this step: those due now, and those computing
         # more than one token (prefills). The latter are found from the end of the batch
         # (the scheduler puts prefills last) until their extra tokens are all accounted for.
         check: dict[str, Request] = {}
         reqs = self._reqs
-        for rid in self._due.pop(step, ()):
+        for rid in due or ():
             st = reqs.get(rid)
             if st is not None and st.due == step:
                 check[rid] = st.request
-        scheduled = scheduler_output.scheduled
-        extra = scheduler_output.total_num_scheduled_tokens - len(scheduled)
         i = len(scheduled)
         while extra > 0 and i > 0:
             i -= 1
@@ -273,7 +278,7 @@ class SchedulerSide:
             if span is not None:
                 first, end = span
                 spans.append((rid, request, first, end))
-                keys += request.block_hashes[first * k + k - 1 : end * k : k]
+                keys += self._chunk_keys(request, first, end)
         if not keys:
             return
         metas = (

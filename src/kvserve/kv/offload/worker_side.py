@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvserve.kv.connector import KVConnectorOutput
+from kvserve.kv.connector import NO_TRANSFERS, KVConnectorOutput
 from kvserve.kv.offload.connector_state import OffloadConnectorMetadata, RequestState
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,14 @@ class WorkerSide:
     def start_load_kv(self, metadata: OffloadConnectorMetadata | None) -> None:
         if metadata is None or self.worker is None:
             return
-        if self.storage is not None:
+        if metadata.reads and self.storage is not None:
             for job_id, items in metadata.reads:
                 if job_id in self._jobs:
                     self._read_ops[self.storage.read(items)] = job_id
-        loads = [job for job in metadata.loads if job.job_id in self._jobs]  # not aborted since
-        if loads:
-            self.worker.submit_many(loads)
+        if metadata.loads:
+            loads = [job for job in metadata.loads if job.job_id in self._jobs]  # not aborted
+            if loads:
+                self.worker.submit_many(loads)
         if metadata.forward:
             self.worker.forward_begins()
             if self._pause_writes and self.storage is not None:
@@ -86,9 +87,11 @@ class WorkerSide:
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
-        out = KVConnectorOutput()
         if self.worker is None:
-            return out
+            return KVConnectorOutput()
+        if self.storage is None and not self.worker.has_results():
+            return NO_TRANSFERS  # most steps: nothing ended
+        out = KVConnectorOutput()
         if self.storage is not None:
             for sres in self.storage.poll():
                 self._storage_done(sres, out)
