@@ -33,7 +33,8 @@ within 5%).
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py   # ~8 minutes
     git worktree add /tmp/epp_base acb11d7   # the hand-written HTTP/2 transport vs this tree's:
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/bench_epp.py --skip-quality \
-        --base-src /tmp/epp_base --epp-arms envoy_epp envoy_epp_base --out .../epp_h2
+        --base-src /tmp/epp_base --base-envoy before --epp-arms envoy_epp envoy_epp_base \
+        --out .../epp_h2
     .venv/bin/python benchmarks/bench_epp.py --quick    # smoke run
 """
 
@@ -84,13 +85,17 @@ class Arm(NamedTuple):
     route_cache: str = "RETAIN"
     served: str = "header"
     lua: bool = False
+    forward_all: bool = False  # every header to the EPP (else only those it reads)
+    lb_metadata: bool = False  # Envoy takes the pick's envoy.lb metadata and returns it
 
     def describe(self) -> str:
         served = "attribute" if self.served == "attribute" else "header"
         first = "Lua" if self.lua else "header"
+        headers = "all headers" if self.forward_all else "the headers it reads"
+        lb = ", envoy.lb metadata back" if self.lb_metadata else ""
         return (
             f"{self.mode} / {self.response_mode} | {self.route_cache} | served by {served}, "
-            f"first address by {first}"
+            f"first address by {first} | {headers}{lb}"
         )
 
     def spec(self, epp: tuple[str, int]) -> EnvoySpec:
@@ -99,22 +104,33 @@ class Arm(NamedTuple):
         spec.served_header = self.served == "header"
         spec.served_attribute = self.served == "attribute"
         spec.first_destination_lua = self.lua
+        if self.forward_all:
+            spec.forward_headers = None
+        spec.lb_metadata = self.lb_metadata
         return spec
 
 
 # EPP arms; the first is the harness's default (and the envoy-gateway overlay's), the goals'.
-# envoy_epp_before: the Envoy configuration before 2026-12-02 (Lua, attribute); STREAMED:
-# the body goes out without waiting for the headers' answer (one exchange before the pick).
+# envoy_epp_before: the Envoy configuration before 2026-12-02 (Lua, attribute, every header,
+# envoy.lb metadata back); envoy_epp_all_headers: the headline's of 2026-12-02a/b (every
+# header to the EPP, envoy.lb metadata back); STREAMED: the body goes out without waiting
+# for the headers' answer (one exchange before the pick).
+_BEFORE = Arm("BUFFERED", served="attribute", lua=True, forward_all=True, lb_metadata=True)
 EPP_ARMS = {
     "envoy_epp": Arm("BUFFERED"),
-    "envoy_epp_before": Arm("BUFFERED", served="attribute", lua=True),
+    "envoy_epp_all_headers": Arm("BUFFERED", forward_all=True, lb_metadata=True),
+    "envoy_epp_before": _BEFORE,
     "envoy_epp_streamed": Arm("STREAMED", "NONE"),
     "envoy_epp_duplex": Arm("FULL_DUPLEX_STREAMED"),
     "envoy_epp_clear": Arm("BUFFERED", route_cache="DEFAULT"),
     "envoy_epp_grpcio": Arm("BUFFERED", transport="grpcio", route_cache="DEFAULT"),
 }
-# with --base-src: that tree's EPP behind its Envoy configuration of the time
-BASE_ARM = {"envoy_epp_base": Arm("BUFFERED", transport="base", served="attribute", lua=True)}
+# with --base-src: that tree's EPP behind the headline's Envoy configuration (--base-envoy
+# before: the configuration before 2026-12-02, for a tree older than cce83aa)
+BASE_ARMS = {
+    "headline": Arm("BUFFERED", transport="base"),
+    "before": _BEFORE._replace(transport="base"),
+}
 # Envoy's timings of each phase (its access log, microseconds), reported per arm
 PHASES = ("to_upstream_us", "request_headers_us", "request_body_us", "to_downstream_us",
           "response_headers_us", "total_us")  # fmt: skip
@@ -725,10 +741,10 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         "overlay's configuration):",
         "",
         "| req/s | Envoy body modes request / response | route cache | Envoy reports / connects "
-        "| EPP transport | "
+        "| to the EPP | EPP transport | "
         "EPP added p50/p99 | minus router p50/p99 | CPU ms/req EPP / Envoy | "
         "ext_proc msgs to / from |",
-        "| ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+        "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in over:
         for arm, a in args.arms.items():
@@ -883,6 +899,12 @@ def main() -> None:
         "more arm, envoy_epp_base",
     )
     ap.add_argument(
+        "--base-envoy",
+        choices=sorted(BASE_ARMS),
+        default="headline",
+        help="the Envoy configuration in front of the --base-src EPP",
+    )
+    ap.add_argument(
         "--epp-arms",
         nargs="+",
         default=None,
@@ -908,7 +930,8 @@ def main() -> None:
         return
     if args.quick:
         args.blocks, args.block_s, args.rounds = 1, 2.0, 2
-    known = {**EPP_ARMS, **(BASE_ARM if args.base_src else {})}
+    base = {"envoy_epp_base": BASE_ARMS[args.base_envoy]} if args.base_src else {}
+    known = {**EPP_ARMS, **base}
     names = args.epp_arms or list(known)
     if unknown := set(names) - set(known):
         ap.error(f"unknown EPP arms {sorted(unknown)} (known: {', '.join(known)})")
