@@ -795,11 +795,20 @@ class Feeder:
     """A heavy store stream: unique chunks (random keys, payloads from a few host buffers)
     submitted to the storage worker at ``rate`` bytes/s, as the cascade of a fast prefill
     would (``rate`` 0: whenever its bounded write queue has room, as fast as the tiers
-    absorb)."""
+    absorb). ``active``: submit only while it is set (the stream toggled on and off; each
+    time it resumes at ``rate``, no catching up)."""
 
-    def __init__(self, storage, host, rate: float = 0.0, batch: int = 8) -> None:
+    def __init__(
+        self,
+        storage,
+        host,
+        rate: float = 0.0,
+        batch: int = 8,
+        active: threading.Event | None = None,
+    ) -> None:
         self.storage = storage
         self.batch = batch
+        self.active = active
         payload_bytes = host.layout.chunk_bytes
         self.interval = batch * payload_bytes / rate if rate > 0 else 0.0
         # Payloads in host-tier slots (a writer process reads them there, as the cascade's):
@@ -816,6 +825,10 @@ class Feeder:
         room = lambda: s._pending_write_chunks + self.batch <= s.max_pending_writes  # noqa: E731
         due = time.perf_counter()
         while not self._stop.is_set():
+            if self.active is not None and not self.active.is_set():
+                self.active.wait(0.05)
+                due = time.perf_counter()
+                continue
             if self.interval:
                 due += self.interval
                 if self._stop.wait(max(0.0, due - time.perf_counter())):
@@ -824,6 +837,8 @@ class Feeder:
                 with s._cond:  # notified as each write ends: no polling (no GIL traffic)
                     if not s._cond.wait_for(room, timeout=0.1):
                         continue
+            if self.active is not None and not self.active.is_set():
+                continue  # toggled off meanwhile
             views = [self.views[(i + j) % len(self.views)] for j in range(self.batch)]
             if s.write([os.urandom(32) for _ in views], views) is not None:
                 self.chunks += self.batch
@@ -1005,6 +1020,8 @@ def bench_decode(st: Setup, args, progress) -> dict:
             "throughput_off_tok_s": thr_off,
             "ratio": thr_on / thr_off,
             "paired_ratios": pairs,
+            "paired_median": statistics.median(pairs),
+            "paired_ci95": bootstrap_median_ci(pairs),
             "written_MB_s": {
                 k: statistics.median(r["written_MB_s"][k] for r in on_rows)
                 for k in on_rows[0]["written_MB_s"]
@@ -1056,6 +1073,180 @@ def bench_decode(st: Setup, args, progress) -> dict:
     switch.close()
     llm.shutdown()
     return out
+
+
+# ------------------------------------------------------------------------------ 4 (windows)
+def bootstrap_median_ci(xs: list[float], n: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of ``xs``."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n)]
+
+
+def verdict(lo: float, hi: float, goal: float) -> str:
+    """Goal met / not met by a 95% interval, or not decided by this run."""
+    if lo >= goal:
+        return f"met (>= {goal:g}: the interval is above it)"
+    if hi < goal:
+        return f"NOT met (>= {goal:g}: the interval is below it)"
+    return f"not decided (>= {goal:g} is inside the interval)"
+
+
+def switch(event: threading.Event, on: bool) -> None:
+    if on:
+        event.set()
+    else:
+        event.clear()
+
+
+def bench_decode_windows(st: Setup, args, progress) -> dict:
+    """Measurement 4 in windows: one engine decodes batch after batch while the heavy stream
+    is switched on and off between steps, in pairs of adjacent windows (on/off, then off/on:
+    a trend cancels), each window ``win_guard_s`` of settling (an off window also until the
+    writes of the stream are acknowledged) and then ``win_s`` measured: decode tokens / wall
+    time of the steps in it (the first step of a batch, its prefill, left out). Per pair the
+    ratio on/off; the median of ``win_pairs`` ratios with its bootstrap 95% interval. Other
+    tenants' load changes over seconds, so adjacent windows see the same machine: hundreds of
+    pairs in the time a dozen 7-s run pairs take. The tiers stay attached: an off window's
+    tiers get only the engine's own cascade (its decode, ~7 MB/s)."""
+    root = st.subdir("windows")
+    st.flush_redis()
+    chunk_bytes = args.chunk_tokens * st.kv_bytes_per_token
+    n_dec = args.decode_batch
+    llm = st.llm(
+        st.tier_specs(args.decode_tiers, root, args.decode_tier_bytes),
+        max(64 * chunk_bytes, 4 * args.decode_prefill_len * st.kv_bytes_per_token),
+        max_num_batched_tokens=args.decode_batched_tokens,
+        max_num_seqs=n_dec,
+        num_threads=args.decode_threads,
+    )
+    eng = llm.engine
+    storage = eng.connector.storage
+    fs = [t for t in eng.connector.tiers if t.name == "fs"]
+    acct = CpuAccount({"valkey-server": st.redis.proc.pid, "storage-writer": storage.writer.pid})
+    rng = random.Random(7)
+    sp = SamplingParams(max_tokens=args.win_tokens, temperature=0.0, ignore_eos=True)
+    drive(llm, prompts_of(rng, 2, 64, st.vocab), [sp] * 2)  # warm
+    active = threading.Event()
+    # steps: (previous step's end, this step's end, decode tokens, valid)
+    steps: list[tuple[float, float, int, bool]] = []
+    # windows: (on, start, measured from, end, cpu seconds by consumer, fs usage at the end)
+    windows: list[dict[str, Any]] = []
+    n_windows = 2 * args.win_pairs
+    order = [w for p in range(args.win_pairs) for w in ((True, False), (False, True))[p % 2]]
+    t_before = tier_counts(llm)
+    cpu_on: list[dict[str, float]] = []
+    cpu_off: list[dict[str, float]] = []
+    with Feeder(storage, eng.connector.tier, args.heavy_mb_s * 1e6, active=active) as feeder:
+        prev = time.perf_counter()
+        k = 0  # the window running
+        on = order[0]
+        switch(active, on)
+        w_start, w_from = prev, None
+        snap = acct.snapshot()
+        first = True
+        while k < n_windows:
+            if not eng.has_unfinished_requests():
+                prompts = prompts_of(rng, n_dec, args.decode_prompt_len, st.vocab)
+                for p in prompts:
+                    eng.add_request(None, p, sp)
+                first = True
+            outs = eng.step()
+            now = time.perf_counter()
+            steps.append((prev, now, len(outs), not first))
+            first = False
+            prev = now
+            settled = now - w_start >= args.win_guard_s
+            if w_from is None and settled and (on or storage._pending_write_chunks == 0):
+                w_from = now  # measured from here (the stream's writes acknowledged)
+            if w_from is not None and now - w_from >= args.win_s:
+                s2 = acct.snapshot()
+                (cpu_on if on else cpu_off).append(CpuAccount.diff(snap, s2))
+                windows.append(
+                    {
+                        "on": on,
+                        "start": w_start,
+                        "from": w_from,
+                        "end": now,
+                        "fs_used": fs[0].usage()[0] if fs else 0,
+                    }
+                )
+                k += 1
+                if k < n_windows:
+                    on = order[k]
+                    switch(active, on)
+                    w_start, w_from = now, None
+                    snap = acct.snapshot()
+                    prev = time.perf_counter()  # the bookkeeping stays out of the windows
+        active.clear()
+        fed = feeder.chunks
+    while eng.has_unfinished_requests():
+        eng.step()
+    t_after = tier_counts(llm)
+    llm.shutdown()
+
+    def rate(w: dict[str, Any]) -> tuple[float, float, int]:
+        tok = sum(n for a, b, n, ok in steps if ok and a >= w["from"] and b <= w["end"])
+        dt = sum(b - a for a, b, n, ok in steps if ok and a >= w["from"] and b <= w["end"])
+        nsteps = sum(1 for a, b, n, ok in steps if ok and a >= w["from"] and b <= w["end"])
+        return tok, dt, nsteps
+
+    rows = []
+    for p in range(args.win_pairs):
+        a, b = windows[2 * p], windows[2 * p + 1]
+        w_on, w_off = (a, b) if a["on"] else (b, a)
+        (tok_on, dt_on, n_on), (tok_off, dt_off, n_off) = rate(w_on), rate(w_off)
+        rows.append(
+            {
+                "tok_on": tok_on, "s_on": dt_on, "steps_on": n_on,
+                "tok_off": tok_off, "s_off": dt_off, "steps_off": n_off,
+                "fs_full": bool(fs) and w_on["fs_used"] >= 0.9 * fs[0].size_bytes,
+            }
+        )  # fmt: skip
+    # A pair counts when each window has steps enough (a batch boundary can take half of one).
+    least = 0.5 * statistics.median(r["steps_on"] + r["steps_off"] for r in rows) / 2
+    kept = [r for r in rows if min(r["steps_on"], r["steps_off"]) >= least]
+    ratios = [(r["tok_on"] / r["s_on"]) / (r["tok_off"] / r["s_off"]) for r in kept]
+    full = [x for x, r in zip(ratios, kept, strict=True) if r["fs_full"]]
+    on_s = sum(r["s_on"] for r in kept)
+    d = {k: delta(v, t_before[k]) for k, v in t_after.items()}
+    on_total = sum(w["end"] - w["start"] for w in windows if w["on"])
+    res = {
+        "pairs": len(rows),
+        "pairs_kept": len(kept),
+        "win_s": args.win_s,
+        "guard_s": args.win_guard_s,
+        "throughput_on_tok_s": sum(r["tok_on"] for r in kept) / on_s,
+        "throughput_off_tok_s": sum(r["tok_off"] for r in kept) / sum(r["s_off"] for r in kept),
+        "paired_median": statistics.median(ratios),
+        "paired_ci95": bootstrap_median_ci(ratios),
+        "paired_quartiles": statistics.quantiles(ratios, n=4)[::2]
+        if len(ratios) > 1
+        else ratios * 2,
+        "paired_full": statistics.median(full) if full else None,
+        "paired_full_ci95": bootstrap_median_ci(full) if len(full) >= 10 else None,
+        "pairs_full": len(full),
+        "fed_chunks": fed,
+        # Bytes per second of on windows, settling included (and the engine's own cascade;
+        # an on window's last writes land in the next window's settling).
+        "written_MB_s_on": {k: v["write_bytes"] / on_total / 1e6 for k, v in d.items()},
+        "dropped": {k: v["dropped"] for k, v in d.items()},
+        "cpu_on": median_dicts(cpu_on),
+        "cpu_off": median_dicts(cpu_off),
+        "ratios": ratios,
+        "pairs_rows": rows,
+    }
+    res["ratio"] = res["throughput_on_tok_s"] / res["throughput_off_tok_s"]
+    lo, hi = res["paired_ci95"]
+    progress(
+        f"windows: paired median {res['paired_median']:.3f} (95% {lo:.3f}-{hi:.3f}, "
+        f"{len(kept)} of {len(rows)} pairs); aggregate {res['ratio']:.3f} "
+        f"({res['throughput_on_tok_s']:.1f} / {res['throughput_off_tok_s']:.1f} tok/s); "
+        + (f"tiers full: {res['paired_full']:.3f} ({len(full)} pairs); " if full else "")
+        + "written MB/s "
+        + ", ".join(f"{k} {v:.0f}" for k, v in res["written_MB_s_on"].items())
+    )
+    return res
 
 
 # ------------------------------------------------------------------------------ 4c
@@ -1301,6 +1492,10 @@ def parse_args(argv: list[str] | None = None):
         help="the heavy stream of 4, MB/s into every tier (0: as fast as they absorb)",
     )  # fmt: skip
     ap.add_argument("--decode-tier-bytes", type=int, default=2 << 30)
+    ap.add_argument("--win-pairs", type=int, default=200, help="pairs of windows of 4 (windows)")
+    ap.add_argument("--win-s", type=float, default=0.5, help="measured seconds of a window")
+    ap.add_argument("--win-guard-s", type=float, default=0.15, help="settling before it")
+    ap.add_argument("--win-tokens", type=int, default=512, help="tokens per decode batch")
     ap.add_argument("--ws-prompt-len", type=int, default=1024)
     ap.add_argument("--ws-host-prompts", type=int, default=4)
     ap.add_argument("--ws-batch", type=int, default=8)
@@ -1309,7 +1504,9 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--probe-s", type=float, default=3.0, help="seconds of each run of 4c")
     ap.add_argument("--probe-rounds", type=int, default=5, help="interleaved rounds of 4c")
     ap.add_argument("--probe-mb-s", type=float, default=60.0, help="4c's stream, MB/s")
-    ap.add_argument("--skip", nargs="*", default=[], help="ttft read cross decode cost hitrate")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], help="ttft read cross decode windows cost hitrate"
+    )
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--out", default=None, help="results basename (default tiers_<preset>)")
     args = ap.parse_args(argv)
@@ -1326,6 +1523,7 @@ def parse_args(argv: list[str] | None = None):
         args.preset = "tiny"
         args.ttft_len, args.reps, args.cross_reps = 1024, 1, 1
         args.decode_reps, args.decode_tokens, args.decode_prefills = 1, 16, 2
+        args.win_pairs, args.win_s, args.win_guard_s, args.win_tokens = 4, 0.15, 0.05, 64
         args.decode_prefill_len, args.decode_tier_bytes = 256, 256 << 20
         args.ws_prompt_len, args.ws_host_prompts, args.ws_batch = 256, 2, 4
         args.hit_rates = [0.0, 1.0]
@@ -1339,7 +1537,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     steps = [
-        s for s in ("ttft", "read", "cross", "decode", "cost", "hitrate") if s not in args.skip
+        s
+        for s in ("ttft", "read", "cross", "decode", "windows", "cost", "hitrate")
+        if s not in args.skip
     ]
     st = Setup(args)
     res: dict = {"preset": args.preset, "args": vars(args)}
@@ -1362,6 +1562,7 @@ def main(argv: list[str] | None = None) -> dict:
             "read": bench_read_ratio,
             "cross": bench_cross_instance,
             "decode": bench_decode,
+            "windows": bench_decode_windows,
             "cost": bench_write_cost,
             "hitrate": bench_hit_rate,
         }
@@ -1471,7 +1672,9 @@ def report(res: dict, name: str) -> str:
             lines.append(
                 f"| {label} | {v['ratio']:.3f} ({v['throughput_on_tok_s']:.1f} / "
                 f"{v['throughput_off_tok_s']:.1f} tok/s; paired "
-                f"{', '.join(f'{p:.3f}' for p in v['paired_ratios'])}; written MB/s: {mbs}"
+                f"{', '.join(f'{p:.3f}' for p in v['paired_ratios'])}; their median "
+                f"{v['paired_median']:.3f}, 95% {v['paired_ci95'][0]:.3f}-"
+                f"{v['paired_ci95'][1]:.3f}; written MB/s: {mbs}"
                 + (f"; chunks dropped per run: {drops}" if drops else "")
                 + f") | {_goal(v['ratio'], 0.97) if spec == head else '-'} |"
             )
@@ -1479,6 +1682,27 @@ def report(res: dict, name: str) -> str:
             f"| 4b. the same by accounting (writers `{head}`): engine CPU / (engine CPU + the "
             f"tiers' CPU) | {d['accounted_ratio']:.3f} (tiers: {d['tier_cpu_s_per_GB']:.2f} CPU "
             f"s per GB stored) | {_goal(d['accounted_ratio'], 0.97)} |"
+        )
+    if "windows" in res:
+        w = res["windows"]
+        lo, hi = w["paired_ci95"]
+        q1, q3 = w["paired_quartiles"]
+        mbs = ", ".join(f"{k} {x:.0f}" for k, x in w["written_MB_s_on"].items())
+        drops = ", ".join(f"{k} {x:.0f}" for k, x in w["dropped"].items())
+        full = ""
+        if w["paired_full"] is not None:
+            full = f"; pairs with the fs tier full (evicting): {w['paired_full']:.3f}"
+            if w["paired_full_ci95"]:
+                flo, fhi = w["paired_full_ci95"]
+                full += f" (95% {flo:.3f}-{fhi:.3f}, {w['pairs_full']} pairs)"
+        lines.append(
+            f"| 4w. decode throughput, tiers absorbing {what['heavy']} / the same tiers without "
+            f"it, in adjacent windows ({w['win_s']:g} s measured each, {w['pairs_kept']} pairs) "
+            f"| median of paired ratios {w['paired_median']:.3f} (95% bootstrap interval "
+            f"{lo:.3f}-{hi:.3f}, quartiles {q1:.3f}-{q3:.3f}; aggregate {w['ratio']:.3f}: "
+            f"{w['throughput_on_tok_s']:.1f} / {w['throughput_off_tok_s']:.1f} tok/s{full}; "
+            f"written MB/s in on windows: {mbs}; chunks dropped: {drops}) "
+            f"| {verdict(lo, hi, 0.97)} |"
         )
     if "cost" in res:
         c = res["cost"]
@@ -1578,6 +1802,19 @@ def report(res: dict, name: str) -> str:
         "local Valkey server under `SCHED_IDLE` too, `fsbuf` / `fsdirect` = the fs tier's "
         "writes buffered (through the page cache) / with O_DIRECT. Each chunk is hashed once "
         "for all tiers.",
+        "- 4 (windows): one engine decodes batch after batch (batches of "
+        f"{a['decode_batch']} x {a['win_tokens']} tokens) while the heavy stream is switched "
+        "on and off between steps, in pairs of adjacent windows, on/off then off/on (a trend "
+        "within a batch cancels); each window first settles (`win_guard_s`; an off window "
+        "also until every write of the stream was acknowledged), then `win_s` of steps are "
+        "measured: decode tokens / wall time from the end of the step before each to its end "
+        "(a batch's first step, its prefill, left out; a pair with a window cut short by a "
+        "batch's end is dropped). Tiers stay attached: an off window's tiers get only the "
+        "engine's own cascade. The tiers start empty and fill during the run (2 GiB at the "
+        "stream's rate: ~30 s of on windows); pairs once the fs tier is full are reported "
+        "apart. Other tenants' load changes over seconds: adjacent windows see the same "
+        "machine, hence hundreds of pairs with a tight interval in the time a dozen 7-s run "
+        "pairs take. Verdict by the 95% bootstrap interval of the median paired ratio.",
         "- 4c: no model: the main thread counts iterations of a pure-Python loop (what the "
         "engine thread does between torch calls) while a feeder thread submits chunks from a "
         "host tier in shared memory at a fixed rate to a storage worker over disk + fs + "
