@@ -86,6 +86,7 @@ class Arm(NamedTuple):
     served: str = "header"
     lua: bool = False
     forward_all: bool = False  # every header to the EPP (else only those it reads)
+    response_headers: str = "SEND"  # SKIP: the EPP sees the answer's end only (its trailers)
     lb_metadata: bool = False  # Envoy takes the pick's envoy.lb metadata and returns it
 
     def describe(self) -> str:
@@ -93,8 +94,12 @@ class Arm(NamedTuple):
         first = "Lua" if self.lua else "header"
         headers = "all headers" if self.forward_all else "the headers it reads"
         lb = ", envoy.lb metadata back" if self.lb_metadata else ""
+        modes = f"{self.mode} / {self.response_mode}"
+        if self.response_headers == "SKIP":  # (served: the pick, the only address Envoy has)
+            modes += ", response headers skipped, trailers sent"
+            served = "none"
         return (
-            f"{self.mode} / {self.response_mode} | {self.route_cache} | served by {served}, "
+            f"{modes} | {self.route_cache} | served by {served}, "
             f"first address by {first} | {headers}{lb}"
         )
 
@@ -107,6 +112,9 @@ class Arm(NamedTuple):
         if self.forward_all:
             spec.forward_headers = None
         spec.lb_metadata = self.lb_metadata
+        spec.response_header_mode = self.response_headers
+        if self.response_headers == "SKIP":
+            spec.served_header = False  # (nothing to read it)
         return spec
 
 
@@ -121,6 +129,10 @@ EPP_ARMS = {
     "envoy_epp_all_headers": Arm("BUFFERED", forward_all=True, lb_metadata=True),
     "envoy_epp_before": _BEFORE,
     "envoy_epp_streamed": Arm("STREAMED", "NONE"),
+    # No response-headers exchange: Envoy sends the answer's (empty) trailers at its end,
+    # where the EPP releases the count; plain Envoy serves the pick (its one address), but the
+    # client gets no x-kvserve-endpoint and the EPP no status (metrics, probe on 502-504).
+    "envoy_epp_trailers": Arm("BUFFERED", "NONE", response_headers="SKIP"),
     "envoy_epp_duplex": Arm("FULL_DUPLEX_STREAMED"),
     "envoy_epp_clear": Arm("BUFFERED", route_cache="DEFAULT"),
     "envoy_epp_grpcio": Arm("BUFFERED", transport="grpcio", route_cache="DEFAULT"),

@@ -311,14 +311,17 @@ def test_subset_hint_is_honoured(stack):
 
 
 @pytest.mark.parametrize(
-    "modes", [("BUFFERED", "STREAMED"), ("STREAMED", "NONE")], ids=["buffered", "response-none"]
+    "modes",
+    [("BUFFERED", "STREAMED", "SEND"), ("STREAMED", "NONE", "SEND"), ("BUFFERED", "NONE", "SKIP")],
+    ids=["buffered", "response-none", "response-headers-skipped"],
 )
 def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path, modes):
     """A stream counts while it runs (not only until its headers); with every endpoint at
     its limit (here 1 request, no queue) the EPP answers 429; a client that goes away
     releases its count. Slow-streaming fake backends: a tiny engine finishes too soon.
     With the response body never sent to the EPP (NONE) Envoy would end the ext_proc stream
-    at the response headers: the harness asks for trailers to keep it open to the end."""
+    at the response headers: the harness asks for trailers to keep it open to the end; with
+    the response headers skipped too, the trailers are the EPP's only news of the answer."""
     with fake_backends(2) as urls:
         for u in urls:
             httpx.post(u + "/_fake/config", json={"chunks": 200, "chunk_interval": 0.05})
@@ -332,6 +335,7 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path,
                     ("127.0.0.1", grpc_port),
                     request_body_mode=modes[0],
                     response_body_mode=modes[1],
+                    response_header_mode=modes[2],
                 ),
                 tmp_path,
             ) as envoy,
