@@ -6,10 +6,12 @@
   of its last block). When the primary hit ends inside a chunk, only that chunk's blocks past
   the hit are loaded. At most ``num_tokens - 1`` tokens are claimed. Loads are always
   asynchronous: the request waits in WAITING_FOR_REMOTE_KVS while others compute.
-- stores: each step, chunks that the step's forward completes are reserved in the tier
-  (``prepare_store``) and copied after sampling (``wait_for_save``), never delaying tokens.
+- stores: each step, chunks that the step's forward completes are reserved in the tier, all
+  requests' in one ``prepare_store``, and copied after sampling (``wait_for_save``) as one job
+  of columns (:class:`~kvserve.kv.offload.worker.WholeChunks`), never delaying tokens.
   Requests are looked at only in the step their next chunk can fill (``_due``), not in a pass
-  over every running request.
+  over every running request; a step with nothing due, no prefill and nothing to start
+  returns shared metadata at once.
 - a request has one load job or several store jobs in flight, never both; a finished request
   whose jobs are in flight keeps its blocks until they end (reported in ``finished_sending``).
 
