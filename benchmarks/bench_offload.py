@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import track
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.machine import describe_machine
@@ -182,25 +183,43 @@ class ConnectorAccounting:
         self.engine_thread_s = 0.0
         self.steps = 0
         self.step_connector_s: list[float] = []  # per engine step, while counting
+        self.step_stored_chunks: list[int] = []  # chunks each of those steps handed to store
+        self.step_prefill: list[bool] = []  # the step computed more than a token per request
+        self._prefill = False
         self._depth = 0
         self._step_start = 0.0
+        self._stored = 0
         for name in dir(type(connector)):
             fn = getattr(connector, name)
             if name.startswith("_") or not callable(fn):
                 continue
             setattr(connector, name, self._timed(fn))
+        build = connector.build_connector_meta
+
+        def counted_build(scheduler_output):
+            meta = build(scheduler_output)
+            self._stored += sum(job.num_chunks for job in meta.stores)
+            self._prefill = scheduler_output.total_num_scheduled_tokens > len(
+                scheduler_output.scheduled
+            )
+            return meta
+
+        connector.build_connector_meta = counted_build
         self._worker = connector.worker
         self._worker_thread = connector.worker._thread
         step = engine.step
 
         def counted_step():
             before = self.engine_thread_s
+            self._stored = 0
             try:
                 return step()
             finally:
                 if engine.connector is not None:
                     self.steps += 1
                     self.step_connector_s.append(self.engine_thread_s - before)
+                    self.step_stored_chunks.append(self._stored)
+                    self.step_prefill.append(self._prefill)
 
         engine.step = counted_step
 
@@ -309,7 +328,8 @@ def bench_overhead(
     acct = ConnectorAccounting(connector, engine)
     t_on, t_off, engine_s, transfer_s, in_fwd_s, steps = [], [], [], [], [], []
     per_step: list[float] = []
-    for i in range(reps):
+    per_step_chunks: list[int] = []
+    for i in track(range(reps), f"on/off pairs, {n} requests", transient=True):
         # Interleaved, order alternating: both sides see the same machine noise.
         for on in (False, True) if i % 2 == 0 else (True, False):
             offload(on)
@@ -323,6 +343,7 @@ def bench_overhead(
                 in_fwd_s.append(f1 - f0)
                 steps.append(s1 - s0)
                 per_step += acct.step_connector_s[k0:]
+                per_step_chunks += acct.step_stored_chunks[k0:]
     offload(True)
     st = llm.get_stats().connector
     assert st.lookup_hit_tokens == 0 and st.store_bytes > 0
@@ -341,8 +362,10 @@ def bench_overhead(
     # forward passes (the rest ran in the gaps between them, on an otherwise idle core).
     added = [e + x for e, x in zip(engine_s, transfer_s, strict=True)]
     added_fwd = [e + f for e, f in zip(engine_s, in_fwd_s, strict=True)]
+    store_steps = store_step_cost(per_step, per_step_chunks)
     per_step.sort()
     return {
+        "store_steps": store_steps,
         "requests": n,
         "prompt_len": length,
         "max_tokens": max_tokens,
@@ -375,6 +398,75 @@ def bench_overhead(
         "runs_off_s": t_off,
         "store_bytes": st.store_bytes,
     }
+
+
+def bench_store_steps(model: str, args, vocab: int) -> dict:
+    """Connector time on the engine thread in the decode step where every one of ``n``
+    requests completes a chunk (one chunk each: ``n`` chunks stored at once), for several
+    ``n``, and a least-squares fit time = fixed + per_chunk * n over them (issue 18: the cost of
+    a step should not grow with the chunks it stores). Prefill steps (which also run the
+    requests' lookups) are left out."""
+    points = []
+    plen, ntok = args.decode_prompt_len, args.decode_tokens
+    for n in args.store_step_requests:
+        blocks = n * -(-(plen + ntok) // 16) + 64
+        llm = make_llm(
+            model, args.offload_gib, args, max_num_seqs=n,
+            num_kv_blocks=max(args.num_kv_blocks, blocks),
+        )  # fmt: skip
+        rng = random.Random(3)
+        acct = ConnectorAccounting(llm.engine.connector, llm.engine)
+        for _ in range(2):  # warm-up
+            timed_generate(llm, prompts_of(rng, n, plen, vocab), ntok)
+        k0 = len(acct.step_connector_s)
+        for _ in track(range(args.store_step_reps), f"1d: {n} requests", transient=True):
+            timed_generate(llm, prompts_of(rng, n, plen, vocab), ntok)
+        llm.shutdown()
+        rows = list(
+            zip(acct.step_connector_s[k0:], acct.step_stored_chunks[k0:],
+                acct.step_prefill[k0:], strict=True)
+        )  # fmt: skip
+        store = [(t, c) for t, c, pre in rows if c and not pre]
+        quiet = [t for t, c, pre in rows if not c and not pre]
+        points.append(
+            {
+                "requests": n,
+                "store_steps": len(store),
+                "chunks_median": statistics.median(c for _, c in store),
+                "store_step_us_median": statistics.median(t for t, _ in store) * 1e6,
+                "quiet_step_us_median": statistics.median(quiet) * 1e6,
+            }
+        )
+        p = points[-1]
+        print(
+            f"  {n} requests: a storing decode step {p['store_step_us_median']:.0f} us "
+            f"({p['chunks_median']:.0f} chunks), other steps {p['quiet_step_us_median']:.1f} us"
+        )
+    out: dict = {"points": points}
+    if len(points) > 1:
+        fit = statistics.linear_regression(
+            [p["chunks_median"] for p in points], [p["store_step_us_median"] for p in points]
+        )
+        out.update(fixed_us=fit.intercept, per_chunk_us=fit.slope)
+    return out
+
+
+def store_step_cost(per_step: list[float], chunks: list[int]) -> dict:
+    """Connector time on the engine thread in steps that hand chunks to store vs steps that do
+    not (the growth with the chunks stored: :func:`bench_store_steps`)."""
+    store = [(c, t) for c, t in zip(chunks, per_step, strict=True) if c]
+    quiet = [t for c, t in zip(chunks, per_step, strict=True) if not c]
+    out = {"steps": len(store), "quiet_steps_median_us": statistics.median(quiet) * 1e6}
+    if not store:
+        return out
+    xs, ts = [c for c, _ in store], [t for _, t in store]
+    out.update(
+        median_us=statistics.median(ts) * 1e6,
+        mean_us=statistics.mean(ts) * 1e6,
+        chunks_median=statistics.median(xs),
+        chunks_max=max(xs),
+    )
+    return out
 
 
 def bench_hit_rate(model: str, args, vocab: int) -> dict:
@@ -543,10 +635,15 @@ def main() -> None:
     ap.add_argument("--decode-prompt-len", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--decode-reps", type=int, default=5, help="runs per side of 1c")
+    ap.add_argument(
+        "--store-step-requests", type=int, nargs="+", default=[8, 16, 32, 64],
+        help="concurrent requests of measurement 1d (chunks stored in one decode step)",
+    )  # fmt: skip
+    ap.add_argument("--store-step-reps", type=int, default=8, help="runs per point of 1d")
     ap.add_argument("--hit-rates", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
     ap.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 2000])
     ap.add_argument(
-        "--skip", nargs="*", default=[], help="overhead decode hit evicted ttft path"
+        "--skip", nargs="*", default=[], help="overhead decode storestep hit evicted ttft path"
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="results basename (default offload_<preset>)")
     args = ap.parse_args()
@@ -582,6 +679,8 @@ def main() -> None:
             num_kv_blocks=max(args.num_kv_blocks, blocks),
         )  # fmt: skip
         print_overhead(f"overhead (decode, {n} concurrent)", o)
+    if "storestep" not in args.skip:
+        res["store_steps"] = bench_store_steps(model, args, vocab)
     if "hit" not in args.skip:
         res["hit_rate"] = h = bench_hit_rate(model, args, vocab)
         res["load_bw_over_memcpy"] = h["load_bandwidth_at_100_GB_s"] / res["memcpy_GB_s"]
@@ -625,7 +724,7 @@ def print_overhead(what: str, o: dict) -> None:
 def overhead_rows(o: dict, label: str, what: str) -> list[str]:
     q1, q3 = o["paired_ratio_quartiles"]
     lo, hi = o["paired_ratio_ci95"]
-    return [
+    rows = [
         f"| {label}. throughput offload on (0% hits) / off, {what}; medians of "
         f"{len(o['runs_on_s'])} interleaved runs each | {o['ratio_on_off']:.3f} "
         f"({o['throughput_on_tok_s']:.0f} / {o['throughput_off_tok_s']:.0f} tok/s; "
@@ -648,6 +747,16 @@ def overhead_rows(o: dict, label: str, what: str) -> list[str]:
         f"{o['dropped_store_chunks']:.0f} of {o['stored_chunks'] + o['dropped_store_chunks']:.0f}"
         " chunks dropped | <= 50 us at 64 requests |",
     ]
+    ss = o.get("store_steps")
+    if ss and ss.get("steps"):
+        rows.append(
+            f"| {label}t. connector time on steps that hand chunks to store ({ss['steps']} "
+            f"steps, {ss['chunks_median']:.0f} chunks median, {ss['chunks_max']} at most; "
+            f"prefill steps with their lookups among them) vs the other steps | "
+            f"{ss['mean_us']:.0f} us mean, {ss['median_us']:.0f} median; other steps "
+            f"{ss['quiet_steps_median_us']:.1f} us median | |"
+        )
+    return rows
 
 
 def report(res: dict) -> str:
@@ -686,6 +795,22 @@ def report(res: dict) -> str:
             o, "1c", f"decode, {o['requests']} concurrent requests ({o['prompt_len']}-token "
             f"prompts, {o['max_tokens']} tokens out)",
         )  # fmt: skip
+    if "store_steps" in res:
+        sp = res["store_steps"]
+        fit = (
+            f"; fit {sp['fixed_us']:.0f} us + {sp['per_chunk_us']:.2f} us per chunk"
+            if "per_chunk_us" in sp
+            else ""
+        )
+        lines.append(
+            "| 1d. connector time on the engine thread of the decode step in which each of n "
+            "requests completes a chunk (n chunks stored at once), medians of "
+            f"{res['args']['store_step_reps']} runs: n = chunks -> us | "
+            + ", ".join(f"{p['requests']}: {p['store_step_us_median']:.0f}" for p in sp["points"])
+            + f"{fit}; the other decode steps "
+            + ", ".join(f"{p['quiet_step_us_median']:.1f}" for p in sp["points"])
+            + " us | constant per step |"
+        )
     if "hit_rate" in res:
         pts = res["hit_rate"]["points"]
         last = pts[-1]
