@@ -747,17 +747,18 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             f"{r['envoy_of_epp_cpu_ms_per_request']:.2f} | "
             f"{sum(r['errors'].values())} | {r['loadavg_1m']:.1f} |"
         )
-    lines += [
-        "",
-        "Every EPP arm of the same run (the first is the harness's and the envoy-gateway "
-        "overlay's configuration):",
-        "",
-        "| req/s | Envoy body modes request / response | route cache | Envoy reports / connects "
-        "| to the EPP | EPP transport | "
-        "EPP added p50/p99 | minus router p50/p99 | CPU ms/req EPP / Envoy | "
-        "ext_proc msgs to / from |",
-        "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+    if over:
+        lines += [
+            "",
+            "Every EPP arm of the same run (the first is the harness's and the envoy-gateway "
+            "overlay's configuration):",
+            "",
+            "| req/s | Envoy body modes request / response | route cache "
+            "| Envoy reports / connects | to the EPP | EPP transport | "
+            "EPP added p50/p99 | minus router p50/p99 | CPU ms/req EPP / Envoy | "
+            "ext_proc msgs to / from |",
+            "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+        ]
     for r in over:
         for arm, a in args.arms.items():
             name = arm.removeprefix("envoy_")
