@@ -1650,7 +1650,9 @@ def report(res: dict, name: str) -> str:
                 f"{r['ratio_median']:.2f} (rounds {min(r['ratios']):.2f}-{max(r['ratios']):.2f};"
                 f" {m['tier']:.2f} GB/s; raw {m['raw']:.2f} with {rd['io_threads']} threads, "
                 + (f"{m['raw_c']:.2f} with {rd['cached_read_threads']}, " if "raw_c" in m else "")
-                + f"{m['raw_1']:.2f} with one) | {_goal(r['ratio_median'], 0.7)} |"
+                + f"{m['raw_1']:.2f} with one"
+                + (f"; the tier with one thread {m['tier_1']:.2f}" if "tier_1" in m else "")
+                + f") | {_goal(r['ratio_median'], 0.7)} |"
             )
     what = {
         "own": "the engine's own stream (decode batch + long prompts prefilling, cascaded)",
