@@ -175,9 +175,9 @@ def recorded_gets(tier: Any, calls: list[str], hold_s: float) -> None:
 
 
 def test_a_read_from_the_page_cache_takes_one_thread(device_fs, make_worker) -> None:
-    """Chunks just written (in the page cache) are read by one I/O thread, group after group
-    (a memory copy and a hash: more threads contended for memory bandwidth and cores, 0.68 of
-    a plain read on 2 cores instead of 0.72-0.75), however slow each group is."""
+    """With ``cached_read_threads=1``, chunks just written (in the page cache) are read by one
+    I/O thread, group after group, however slow each group is (the default on two cores is two
+    threads, one hashing while the other copies: ``test_tiers_read.py``)."""
     w = make_worker([device_fs], io_threads=4, cached_read_threads=1)
     keys, payloads = chunks(16)
     assert device_fs.put(keys, payloads) == [True] * 16
