@@ -300,6 +300,14 @@ class _Recorder:
         self.events.append((self.call.stream_id, "end", None))
 
 
+async def _stream_server(handler):
+    """A gRPC server with one stream method (``handler`` per call) and a raw connection to it."""
+    server = GrpcServer({ECHO: Method(health_pb2.HealthCheckRequest, stream=handler)})
+    port = await server.start("127.0.0.1", 0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    return server, reader, writer, hpack.Encoder()
+
+
 def test_stream_handlers_keep_message_order_behind_a_wait_and_end_once():
     """Messages of a ``stream`` method are handled as they arrive; one whose answer waits
     holds the later ones back (answers stay in order); the end comes once, after the last
@@ -308,12 +316,7 @@ def test_stream_handlers_keep_message_order_behind_a_wait_and_end_once():
 
     async def run() -> None:
         events: list = []
-        server = GrpcServer(
-            {ECHO: Method(health_pb2.HealthCheckRequest, stream=lambda c: _Recorder(c, events))}
-        )
-        port = await server.start("127.0.0.1", 0)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        encoder = hpack.Encoder()
+        server, reader, writer, encoder = await _stream_server(lambda c: _Recorder(c, events))
         # stream 1: three messages in one frame, the first waits; then the client's end
         writer.write(
             _PREFACE
@@ -425,12 +428,7 @@ def test_after_answers_runs_once_the_answer_is_written_and_before_the_next_messa
 
     async def run() -> None:
         events: list = []
-        server = GrpcServer(
-            {ECHO: Method(health_pb2.HealthCheckRequest, stream=lambda c: _Deferring(c, events))}
-        )
-        port = await server.start("127.0.0.1", 0)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        encoder = hpack.Encoder()
+        server, reader, writer, encoder = await _stream_server(lambda c: _Deferring(c, events))
         writer.write(
             _PREFACE
             + _frame(_SETTINGS, 0, 0)

@@ -593,27 +593,25 @@ class CpuTransferWorker(TransferWorker):
             )  # fmt: skip
         seconds = time.perf_counter() - t0
         block_bytes = tier.layout.block_bytes
-        results, i = [], 0
-        if good is None:
-            blocks = [job.num_blocks for job in batch]
-            oks = [True] * len(batch)
-        else:
-            blocks, oks = [], []
-            for job in batch:
-                ok = good[i : i + job.num_chunks]
-                i += job.num_chunks
-                blocks.append(
-                    sum(len(c.block_ids) for c, g in zip(job.chunks, ok, strict=True) if g)
-                )
-                oks.append(ok)
+        # Per job: the indices of its chunks that failed, and its blocks that landed.
+        bad_of: list[list[int]] = []
+        blocks: list[int] = []
+        i = 0
+        for job in batch:
+            if good is None:  # a store: every chunk
+                bad_of.append([])
+                blocks.append(job.num_blocks)
+                continue
+            ok = good[i : i + job.num_chunks]
+            i += job.num_chunks
+            bad_of.append([j for j, g in enumerate(ok) if not g])
+            blocks.append(sum(len(c.block_ids) for c, g in zip(job.chunks, ok, strict=True) if g))
         total = sum(blocks)
-        for job, n, ok in zip(batch, blocks, oks, strict=True):
-            bad = [] if ok is True else [j for j, g in enumerate(ok) if not g]
-            share = n / total if total else 1.0 / len(batch)
-            results.append(
-                TransferResult(job.job_id, not bad, bad, n * block_bytes, seconds * share)
-            )
-        return results
+        shares = [n / total if total else 1.0 / len(batch) for n in blocks]
+        return [
+            TransferResult(job.job_id, not bad, bad, n * block_bytes, seconds * share)
+            for job, bad, n, share in zip(batch, bad_of, blocks, shares, strict=True)
+        ]
 
 
 class CudaTransferWorker(TransferWorker):  # pragma: no cover - needs CUDA
