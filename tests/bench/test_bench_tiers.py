@@ -50,6 +50,12 @@ def test_bench_tiers_quick(tiny_model_dir, tmp_path) -> None:
     own = res["decode"]["own"]["runs_on"][0]
     assert all(n > 0 for n in own["written_after_drain"].values()), own
     assert res["decode"]["heavy"]["runs_on"][0]["fed_chunks"] > 0
+    # 4w: adjacent windows with the stream on / off were paired; the on windows fed every tier.
+    w = res["windows"]
+    assert w["pairs"] > 0 and 0 < w["pairs_kept"] == len(w["ratios"]) <= w["pairs"], w
+    assert w["fed_chunks"] > 0 and all(x > 0 for x in w["written_MB_s_on"].values()), w
+    lo, hi = w["paired_ci95"]
+    assert 0 < lo <= w["paired_median"] <= hi
     # 5: with the disk tier, re-used working-set prompts hit; without it they miss (4x host).
     top = res["hitrate"]["points"][-1]
     assert top["reuse"] == 1.0
