@@ -443,19 +443,16 @@ def bench_store_steps(model: str, args, vocab: int) -> dict:
         for _ in track(range(args.store_step_reps), f"1d: {n} requests", transient=True):
             timed_generate(llm, prompts_of(rng, n, plen, vocab), ntok)
         llm.shutdown()
-        rows = list(
-            zip(acct.step_connector_s[k0:], acct.step_stored_chunks[k0:],
-                acct.step_prefill[k0:], strict=True)
-        )  # fmt: skip
-        store = [(t, c) for t, c, pre in rows if c and not pre]
-        quiet = [t for t, c, pre in rows if not c and not pre]
+        cost = store_step_cost(
+            acct.step_connector_s[k0:], acct.step_stored_chunks[k0:], acct.step_prefill[k0:]
+        )
         points.append(
             {
                 "requests": n,
-                "store_steps": len(store),
-                "chunks_median": statistics.median(c for _, c in store),
-                "store_step_us_median": statistics.median(t for t, _ in store) * 1e6,
-                "quiet_step_us_median": statistics.median(quiet) * 1e6,
+                "store_steps": cost["steps"],
+                "chunks_median": cost["chunks_median"],
+                "store_step_us_median": cost["median_us"],
+                "quiet_step_us_median": cost["quiet_steps_median_us"],
             }
         )
         p = points[-1]
@@ -472,11 +469,15 @@ def bench_store_steps(model: str, args, vocab: int) -> dict:
     return out
 
 
-def store_step_cost(per_step: list[float], chunks: list[int]) -> dict:
+def store_step_cost(
+    per_step: list[float], chunks: list[int], prefill: list[bool] | None = None
+) -> dict:
     """Connector time on the engine thread in steps that hand chunks to store vs steps that do
-    not (the growth with the chunks stored: :func:`bench_store_steps`)."""
-    store = [(c, t) for c, t in zip(chunks, per_step, strict=True) if c]
-    quiet = [t for c, t in zip(chunks, per_step, strict=True) if not c]
+    not, leaving out the steps marked in ``prefill`` when given (the growth with the chunks
+    stored: :func:`bench_store_steps`)."""
+    rows = list(zip(chunks, per_step, prefill or [False] * len(chunks), strict=True))
+    store = [(c, t) for c, t, pre in rows if c and not pre]
+    quiet = [t for c, t, pre in rows if not c and not pre]
     out = {"steps": len(store), "quiet_steps_median_us": statistics.median(quiet) * 1e6}
     if not store:
         return out
