@@ -250,15 +250,16 @@ class ConnectorAccounting:
         return wrapper
 
     def transfer_thread_cpu_s(self) -> float:
-        """CPU time of the transfer thread and of its copy threads."""
+        """CPU time of the transfer thread, the store lane's and the copy threads'."""
+        tids = set(getattr(self._worker, "thread_ids", [self._worker_thread.native_id]))
+        tids.update(t.native_id for t in threading.enumerate() if t.name.startswith("kv-copy"))
         ns = 0
-        for t in threading.enumerate():
-            if t is self._worker_thread or t.name.startswith("kv-copy"):
-                try:
-                    with open(f"/proc/self/task/{t.native_id}/schedstat") as f:
-                        ns += int(f.read().split()[0])
-                except OSError:  # the thread ended
-                    pass
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    ns += int(f.read().split()[0])
+            except OSError:  # the thread ended
+                pass
         return ns / 1e9
 
     def snapshot(self) -> tuple[float, float, float, int]:

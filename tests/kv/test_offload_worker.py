@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -58,6 +59,25 @@ def hold_at_gate(worker: CpuTransferWorker, batches: list | None = None) -> thre
 
     worker._run = gated
     return gate
+
+
+def hold_stores(worker: CpuTransferWorker) -> None:
+    """Hold the worker's stores before they copy, as the engine does: a forward pass runs (and
+    the lag and deadline bounds are far away). ``worker.forward_ends()`` lets them go."""
+    worker.store_max_lag = 1 << 20
+    worker.store_max_wait_s = 60.0
+    worker.forward_begins()
+
+
+# Store paths: the native lane, and the transfer thread waiting in Python (no extension).
+STORE_PATHS = [pytest.param(True, id="lane"), pytest.param(False, id="python")]
+
+
+def needs_lane(native: bool) -> None:
+    from kvserve.kv.offload import block_copy
+
+    if native and not block_copy.GATED:
+        pytest.skip("the native extension was not built (test_stream_copy.py fails then)")
 
 
 def test_block_runs() -> None:
@@ -223,22 +243,23 @@ def test_load_of_corrupt_or_wrong_chunk_is_reported() -> None:
         worker.shutdown()
 
 
-def test_cancel_and_flush() -> None:
+@pytest.mark.parametrize("native", STORE_PATHS)
+def test_cancel_and_flush(native: bool) -> None:
+    needs_lane(native)
     kv = kv_cache(5)
     tier = tier_for(kv, 1, slots=8)
-    worker = CpuTransferWorker(kv, tier)
-    gate = hold_at_gate(worker)
+    worker = CpuTransferWorker(kv, tier, native=native)
+    hold_stores(worker)
     try:
         worker.submit(TransferJob(0, True, [ChunkCopy(0, bytes([0]), [1])]))
-        threading.Event().wait(0.05)  # job 0 started (a batch of its own), held at the gate
+        threading.Event().wait(0.05)  # job 0 started, waiting for the forward pass to end
         for j in range(1, 4):
             worker.submit(TransferJob(j, True, [ChunkCopy(j, bytes([j]), [j + 1])]))
         cancelled = worker.cancel([0, 2, 3, 99])
         assert cancelled == {2, 3}  # job 0 already started
         done = worker.poll()
         assert sorted(r.job_id for r in done) == [2, 3] and all(r.cancelled for r in done)
-        gate.set()
-        worker.wait([0, 1])  # flush: blocks until both finished
+        worker.wait([0, 1])  # flush: blocks until both finished, the forward pass or not
         res = sorted(worker.poll(), key=lambda r: r.job_id)
         assert [(r.job_id, r.ok) for r in res] == [(0, True), (1, True)]
         assert torch.equal(tier.chunk_view(1)[0], kv[2])
@@ -249,18 +270,21 @@ def test_cancel_and_flush() -> None:
         worker.submit(TransferJob(9, True, []))
 
 
-def test_shutdown_cancels_queued_jobs() -> None:
+@pytest.mark.parametrize("native", STORE_PATHS)
+def test_shutdown_cancels_queued_jobs(native: bool) -> None:
+    needs_lane(native)
     kv = kv_cache(6)
     tier = tier_for(kv, 1, slots=4)
-    worker = CpuTransferWorker(kv, tier)
-    gate = hold_at_gate(worker)
+    worker = CpuTransferWorker(kv, tier, native=native)
+    hold_stores(worker)
     worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
-    threading.Event().wait(0.05)  # job 0 started, held at the gate
+    threading.Event().wait(0.05)  # job 0 started, waiting for the forward pass to end
     worker.submit(TransferJob(1, True, [ChunkCopy(1, b"b", [2])]))
-    gate.set()
-    worker.shutdown()
+    worker.shutdown()  # the forward pass never ends: the started store copies regardless
     res = {r.job_id: r for r in worker.poll()}
     assert res[0].ok and res[1].cancelled
+    assert tier.header(0).key == b"a" and torch.equal(tier.chunk_view(0)[0], kv[1])
+    assert tier.header(1) is None
 
 
 def test_failed_job_reports_failure_and_worker_survives() -> None:
@@ -286,22 +310,36 @@ def test_layout_mismatch_is_rejected() -> None:
         make_transfer_worker(kv, tier)
 
 
-def test_wait_any_returns_on_a_result_or_after_the_timeout() -> None:
+@pytest.mark.parametrize("native", STORE_PATHS)
+def test_wait_any_returns_on_a_result_or_after_the_timeout(native: bool) -> None:
+    """A load held on the transfer thread, then a store held by a forward pass (which an idle
+    engine's wait releases): wait_any returns when the job ends, or at the timeout."""
+    needs_lane(native)
     kv = kv_cache(9)
-    tier = tier_for(kv, 1, slots=2)
-    worker = CpuTransferWorker(kv, tier)
+    tier = tier_for(kv, 1, slots=4)
+    tier.allocate_slots(4)
+    tier.blocks[3].copy_(kv[7])
+    tier.record([3], [b"hit"])
+    worker = CpuTransferWorker(kv, tier, native=native)
     gate = hold_at_gate(worker)
     try:
         worker.wait_any(10)  # nothing in flight: returns at once
-        worker.submit(TransferJob(0, True, [ChunkCopy(0, b"a", [1])]))
-        worker.wait_any(0.02)  # the job is held: returns after the timeout, nothing ready
+        worker.submit(TransferJob(0, False, [ChunkCopy(3, b"hit", [2])]))
+        worker.wait_any(0.02)  # the load is held: returns after the timeout, nothing ready
         assert worker.poll() == []
         threading.Timer(0.05, gate.set).start()
         t = time.monotonic()
-        worker.wait_any(30)  # wakes when the job ends, not at the timeout
+        worker.wait_any(30)  # wakes when the load ends, not at the timeout
         assert time.monotonic() - t < 10
         (res,) = worker.poll()
-        assert res.ok and torch.equal(tier.chunk_view(0)[0], kv[1])
+        assert res.job_id == 0 and res.ok and torch.equal(kv[2], kv[7])
+        hold_stores(worker)
+        worker.submit(TransferJob(1, True, [ChunkCopy(0, b"a", [1])]))
+        t = time.monotonic()
+        worker.wait_any(30)  # the store, released by the wait, ends
+        assert time.monotonic() - t < 10
+        (res,) = worker.poll()
+        assert res.job_id == 1 and res.ok and torch.equal(tier.chunk_view(0)[0], kv[1])
     finally:
         gate.set()
         worker.shutdown()
@@ -458,7 +496,8 @@ def test_queued_jobs_of_one_direction_run_as_one_batch() -> None:
         gate.set()
         res = {r.job_id: r for r in wait_results(worker, 5)}
         # [1, 2, 3] ran as one batch; job 3's bad block failed it, so each job ran again alone.
-        assert batches == [[0], [1, 2, 3], [1], [2], [3], [4]]
+        # The store copied on the lane, where there is one.
+        assert batches == [[0], [1, 2, 3], [1], [2], [3]] + ([] if worker._lane else [[4]])
         assert res[0].ok and res[1].ok and res[2].ok and res[4].ok
         assert not res[3].ok and res[3].bad_chunks == [0]
         for s, blocks in [(0, [1, 2]), (1, [3, 4]), (2, [5, 6]), (3, [7, 8])]:
@@ -493,26 +532,21 @@ def poll_until(worker, n: int, timeout: float = 10.0) -> list:
     return out
 
 
-@pytest.mark.parametrize("native_gate", [True, False])
+@pytest.mark.parametrize("native", STORE_PATHS)
 def test_stores_wait_for_the_gap_between_forward_passes_and_loads_pass_them(
-    native_gate: bool,
+    native: bool,
 ) -> None:
     """A store submitted during a forward pass copies once it ends; a load submitted after
     it runs first; a store lagging more than ``store_max_lag`` passes, waited for, or behind
     too many pending store blocks copies during a forward pass (its CPU time counted so).
     Both ways of waiting: natively on the forward gate, and in Python (no extension)."""
-    from kvserve.kv.offload import block_copy
-
-    if native_gate and not block_copy.GATED:
-        pytest.skip("the native extension was not built (test_stream_copy.py fails then)")
+    needs_lane(native)
     kv = kv_cache(11)
     tier = tier_for(kv, 1, slots=8)
     tier.allocate_slots(8)
     tier.blocks[5].copy_(kv[7])
     tier.record([5], [b"hit"])
-    worker = CpuTransferWorker(kv, tier)
-    if not native_gate:
-        worker._gate = None
+    worker = CpuTransferWorker(kv, tier, native=native)
     try:
         worker.forward_begins()
         worker.submit(TransferJob(0, True, [ChunkCopy(0, b"s0", [1])]))
@@ -544,5 +578,33 @@ def test_stores_wait_for_the_gap_between_forward_passes_and_loads_pass_them(
         worker.store_max_pending_blocks = 1  # a backlog of stores does not wait either
         worker.submit(TransferJob(4, True, [ChunkCopy(3, b"s3", [4]), ChunkCopy(4, b"s4", [5])]))
         assert [r.job_id for r in poll_until(worker, 1)] == [4]
+    finally:
+        worker.shutdown()
+
+
+def test_a_store_completes_while_the_engine_thread_holds_the_gil() -> None:
+    """The lane never takes the GIL: a store submitted by a thread that then runs pure Python
+    (as the engine thread does between forward passes), with a switch interval long enough that
+    a thread asking for the GIL would not get it, still ends (a transfer thread in Python would
+    need the GIL to start the copy and again to publish it)."""
+    needs_lane(True)
+    kv = kv_cache(12)
+    tier = tier_for(kv, 2, slots=4)
+    worker = CpuTransferWorker(kv, tier)
+    interval = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(30.0)
+        worker.submit(TransferJob(0, True, WholeChunks(2, [3], [b"k"], [5, 6])))
+        deadline = time.monotonic() + 10.0
+        while not worker.has_results() and time.monotonic() < deadline:
+            pass  # pure Python: the GIL is never released here
+        ended = worker.has_results()
+    finally:
+        sys.setswitchinterval(interval)
+    try:
+        assert ended
+        (res,) = worker.poll()
+        assert res.ok and tier.header(3).key == b"k"
+        assert torch.equal(tier.chunk_view(3), kv[5:7]) and tier.verify([3], [b"k"]) == [True]
     finally:
         worker.shutdown()

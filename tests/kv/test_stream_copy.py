@@ -143,85 +143,134 @@ def test_numpy_fallback_copies_the_same_blocks(monkeypatch) -> None:
     assert torch.equal(threaded, got)
 
 
-# ------------------------------------------------------------- copies gated by forward passes
-IN_FORWARD_TIMEOUT_NS = 30 * 10**9  # far away: only the gate lets a piece through
+# ---------------------------------------------- the store lane: copies gated by forward passes
+FAR_NS = 30 * 10**9  # a deadline far away: only the gate lets a piece through
+SLOT_FORWARDS, SLOT_RELEASE, SLOT_YIELD = 3, 4, 5  # gate slots (see _stream_copy.c)
 
 
-def gated(src, dst, segments, gate, start=0, piece=64 << 10, max_forward=1 << 30, deadline=None):
-    deadline_ns = time.monotonic_ns() + IN_FORWARD_TIMEOUT_NS if deadline is None else deadline
-    flat = np.asarray(segments, np.int64).reshape(-1)
-    return native.copy_gated(src, dst, flat, gate, start, piece, max_forward, deadline_ns)
+def lane_for(src, dst, piece=64 << 10):
+    gate = np.zeros(8, np.int32)
+    return native.StoreLane(src, dst, gate, piece), gate
+
+
+def submit(lane, job_id, segments, max_forward=1 << 30, deadline_ns=None) -> None:
+    deadline_ns = time.monotonic_ns() + FAR_NS if deadline_ns is None else deadline_ns
+    lane.submit(job_id, np.asarray(segments, np.int64).reshape(-1), max_forward, deadline_ns)
+
+
+def ids(*job_ids: int) -> np.ndarray:
+    return np.asarray(job_ids, np.int64)
 
 
 @needs_native
-@settings(max_examples=60, deadline=None)
-@given(segments=segment_lists(), cut=st.floats(0, 1), piece=st.integers(1, 200 << 10))
-def test_gated_copy_resumed_anywhere_matches_numpy(segments, cut, piece) -> None:
-    """Copied in a gap, in pieces of any size, after an earlier call stopped at any byte: the
-    same bytes as one plain copy."""
-    rng = np.random.default_rng(len(segments))
+@settings(max_examples=40, deadline=None)
+@given(jobs=st.lists(segment_lists(), min_size=1, max_size=3), piece=st.integers(1, 200 << 10))
+def test_lane_copies_match_numpy(jobs, piece) -> None:
+    """Jobs copied in a gap, in pieces of any size, one after another: the same bytes as plain
+    copies in submission order, each job reported once, in order."""
+    rng = np.random.default_rng(len(jobs))
     src = rng.integers(0, 256, BUF, dtype=np.uint8)
     dst = rng.integers(0, 256, BUF, dtype=np.uint8)
-    want = reference(src, dst, segments)
-    total = sum(n for _, _, n in segments)
-    start = int(cut * total)
-    suffix, skip = [], start  # what is left after an earlier call copied `start` bytes
-    for s, d, n in segments:
-        k = min(n, skip)
-        suffix.append((s + k, d + k, n - k))
-        skip -= k
-    resumed = dst.copy()
-    gate = np.zeros(8, np.int32)  # no forward pass runs
-    end, in_forward_ns = gated(src, resumed, segments, gate, start=start, piece=piece)
-    assert end == total and in_forward_ns == 0
-    assert np.array_equal(resumed, reference(src, dst, suffix))  # nothing before `start`
-    if start == 0:
-        end, _ = gated(src, dst, segments, gate, piece=piece)
-        assert end == total and np.array_equal(dst, want)
+    want = dst
+    for segments in jobs:
+        want = reference(src, want, segments)
+    lane, _ = lane_for(src, dst, piece)
+    try:
+        for i, segments in enumerate(jobs):
+            submit(lane, i, segments)
+        assert lane.wait(ids(*range(len(jobs))), 30.0)
+        done = lane.take_done()
+        assert [d[0] for d in done] == list(range(len(jobs))) and lane.pending == 0
+        assert all(in_forward == 0 for _, in_forward, _, _ in done)  # no forward pass ran
+        assert np.array_equal(dst, want)
+    finally:
+        lane.close()
 
 
 @needs_native
-def test_gated_copy_waits_for_the_gap_and_returns_for_more_urgent_work() -> None:
+def test_lane_waits_for_the_gap_yields_to_loads_and_copies_when_released() -> None:
     src = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
     segments = [(0, 4 << 20, 3 << 20), (5 << 20, 0, 1 << 20)]
-    gate = np.zeros(8, np.int32)
-    native.gate_forward(gate, True)
-    out: list = []
-    t = threading.Thread(target=lambda: out.append(gated(src, dst, segments, gate)))
-    t.start()
-    time.sleep(0.1)
-    assert not out and not dst.any()  # waits while the forward pass runs
-    native.gate_forward(gate, False)  # the gap: copied at once
-    t.join(10)
     want = reference(src, np.zeros_like(src), segments)
-    assert out == [(4 << 20, 0)] and np.array_equal(dst, want)
+    lane, gate = lane_for(src, dst)
+    try:
+        native.gate_forward(gate, True)
+        submit(lane, 1, segments)
+        assert not lane.wait(ids(1), 0.1) and not dst.any()  # waits while the forward runs
+        assert lane.pending == 1 and not lane.has_done and lane.take_done() == []
+        native.gate_forward(gate, False)  # the gap: copied at once
+        assert lane.wait(ids(1), 10.0) and np.array_equal(dst, want)
+        ((job, in_forward, cpu, wall),) = lane.take_done()
+        assert job == 1 and in_forward == 0 and cpu > 0 and wall > 0
 
-    dst[:] = 0
-    native.gate_forward(gate, True)
-    native.gate_set(gate, 5, 1)  # yield: more urgent work waits; nothing copied
-    assert gated(src, dst, segments, gate) == (0, 0) and not dst.any()
-    native.gate_set(gate, 5, 0)
-    native.gate_set(gate, 4, 1)  # released: copies during the forward pass, counted so
-    end, in_forward_ns = gated(src, dst, segments, gate)
-    assert end == 4 << 20 and in_forward_ns > 0
-    native.gate_set(gate, 4, 0)
-    forwards = int(gate[3])
-    assert gated(src, dst, segments, gate, max_forward=forwards - 1)[0] == 4 << 20  # lagging
-    assert gated(src, dst, segments, gate, deadline=time.monotonic_ns() - 1)[0] == 4 << 20
-    with pytest.raises(ValueError, match="cannot be set"):
-        native.gate_set(gate, 0, 1)  # the sequence word is the gate's own
+        dst[:] = 0
+        native.gate_set(gate, SLOT_YIELD, 1)  # loads copy: even in a gap, the store waits
+        submit(lane, 2, segments)
+        assert not lane.wait(ids(2), 0.1) and not dst.any()
+        native.gate_forward(gate, True)
+        native.gate_set(gate, SLOT_YIELD, 0)
+        native.gate_set(gate, SLOT_RELEASE, 1)  # released: copies in the forward, counted so
+        assert lane.wait(ids(2), 10.0) and np.array_equal(dst, want)
+        ((job, in_forward, _, _),) = lane.take_done()
+        assert job == 2 and in_forward > 0
+        native.gate_set(gate, SLOT_RELEASE, 0)
+
+        forwards = int(gate[SLOT_FORWARDS])
+        submit(lane, 3, segments, max_forward=forwards - 1)  # lagging: copies in the forward
+        submit(lane, 4, segments, deadline_ns=time.monotonic_ns() - 1)  # past its deadline
+        assert lane.wait(ids(3, 4), 10.0)
+        assert [d[0] for d in lane.take_done()] == [3, 4]
+        with pytest.raises(ValueError, match="cannot be set"):
+            native.gate_set(gate, 0, 1)  # the sequence word is the gate's own
+    finally:
+        native.gate_forward(gate, False)
+        lane.close()
 
 
 @needs_native
-def test_gated_copy_checks_every_segment_before_copying() -> None:
+def test_lane_cancels_queued_jobs_and_wakes_wait_any() -> None:
+    src, dst = np.ones(4 << 20, np.uint8), np.zeros(4 << 20, np.uint8)
+    lane, gate = lane_for(src, dst)
+    try:
+        lane.wait_any(10.0)  # nothing pending: returns at once
+        native.gate_forward(gate, True)
+        for j in range(3):
+            submit(lane, j, [(0, j << 20, 1 << 20)])
+        time.sleep(0.05)  # job 0 is taken and waits at the gate; 1 and 2 are queued
+        assert sorted(lane.cancel(ids(0, 2, 9))) == [2] and lane.pending == 2
+        t = time.monotonic()
+        lane.wait_any(0.05)  # nothing ends while the forward runs: the timeout
+        assert time.monotonic() - t >= 0.04 and not lane.has_done
+        threading.Timer(0.05, native.gate_forward, (gate, False)).start()
+        lane.wait_any(30.0)  # wakes when job 0 ends
+        assert lane.has_done
+        assert lane.wait(ids(0, 1), 10.0)
+        assert [d[0] for d in lane.take_done()] == [0, 1]
+        assert dst[: 2 << 20].all() and not dst[2 << 20 :].any()  # job 2 never copied
+    finally:
+        native.gate_forward(gate, False)
+        lane.close()
+    with pytest.raises(RuntimeError, match="not running"):
+        submit(lane, 5, [(0, 0, 1)])
+
+
+@needs_native
+def test_lane_checks_every_segment_before_queueing() -> None:
     src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
-    gate = np.zeros(8, np.int32)
-    with pytest.raises(IndexError, match="out of range"):
-        gated(src, dst, [(0, 0, 4096), (0, (1 << 20) - 10, 11)], gate)
-    assert not dst.any()
+    lane, _ = lane_for(src, dst)
+    try:
+        with pytest.raises(IndexError, match="out of range"):
+            submit(lane, 0, [(0, 0, 4096), (0, (1 << 20) - 10, 11)])
+        with pytest.raises(ValueError, match="triples"):
+            lane.submit(0, np.zeros(4, np.int64), 0, 0)
+        assert lane.pending == 0 and not dst.any()
+    finally:
+        lane.close()
     with pytest.raises(ValueError, match="gate"):
-        gated(src, dst, [(0, 0, 10)], np.zeros(4, np.int32))
+        native.StoreLane(src, dst, np.zeros(4, np.int32), 1 << 16)
+    with pytest.raises(TypeError):
+        native.StoreLane(src, np.ones(8, np.uint8).tobytes(), np.zeros(8, np.int32), 1 << 16)
 
 
 @needs_native

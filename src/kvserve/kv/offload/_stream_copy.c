@@ -16,18 +16,21 @@
  * 8-10 GB/s on one thread and 11-14 GB/s on two. SSE2 streaming stores are part of x86-64's
  * baseline (AVX2 ones measured no faster); other architectures use memcpy.
  *
- * copy_gated(...) is a store's copy that runs in the gaps between the engine's forward passes.
- * A gate (a small int32 buffer, see GATE_* below) says whether a forward pass runs; the engine
- * thread opens and closes it (gate_forward), and the copy waits on it between pieces, without
- * the GIL, on a futex. Waiting in Python instead does not work: in a gap the engine thread runs
- * pure Python (scheduling, outputs) and holds the GIL, so a store thread woken at the end of a
- * forward pass got the GIL only when the next forward's first torch op released it, and every
- * piece of every store was measured copying during forward passes (16 of 16 at 64 requests,
- * gaps of 1.7 ms unused). Here the wait ends at the futex wake and the piece is copied at once.
+ * StoreLane is where stores copy: a native thread that takes store jobs and copies each in
+ * the gaps between the engine's forward passes. A gate (a small int32 buffer, see GATE_* below)
+ * says whether a forward pass runs; the engine thread opens and closes it (gate_forward), and
+ * the copy waits on it between pieces, without the GIL, on a futex. Waiting in Python instead
+ * does not work: in a gap the engine thread runs pure Python (scheduling, outputs) and holds
+ * the GIL, so a store thread woken at the end of a forward pass got the GIL only when the next
+ * forward's first torch op released it, and every piece of every store was measured copying
+ * during forward passes (16 of 16 at 64 requests, gaps of 1.7 ms unused). Here the wait ends
+ * at the futex wake and the piece is copied at once.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -179,7 +182,7 @@ enum {
     GATE_IN_FORWARD = 2, /* 1 while a forward pass runs */
     GATE_FORWARDS = 3,   /* forward passes begun (wraps; compared by difference) */
     GATE_RELEASE = 4,    /* > 0: copy at once (someone waits for the stores, shutdown, backlog) */
-    GATE_YIELD = 5,      /* > 0: return to the caller before the next piece (a load waits) */
+    GATE_YIELD = 5,      /* > 0: wait before the next piece (loads are copying) */
     GATE_SLOTS = 8,
 };
 
@@ -259,7 +262,7 @@ static PyObject *gate_set(PyObject *Py_UNUSED(module), PyObject *args)
 }
 
 /* Whether a piece may be copied now; 0 wait, 1 copy (in a gap), 2 copy (during a forward),
- * -1 return to the caller. */
+ * -1 wait (yield: loads are copying). */
 static int gate_admits(int32_t *g, int32_t max_forward, int64_t deadline_ns)
 {
     if (__atomic_load_n(&g[GATE_YIELD], __ATOMIC_SEQ_CST) > 0)
@@ -274,74 +277,453 @@ static int gate_admits(int32_t *g, int32_t max_forward, int64_t deadline_ns)
     return 0;
 }
 
-static PyObject *copy_gated(PyObject *Py_UNUSED(module), PyObject *args)
+/* Copy segments ``s[0..n)``, ``piece`` bytes at a time, each piece when the gate admits it
+ * (a set yield slot is waited out like a forward pass); without the GIL. Adds the CPU ns
+ * copied during forward passes to ``*in_forward_ns``. */
+static void gated_copy(char *dst, const char *src, const int64_t *s, Py_ssize_t n, int32_t *g,
+                       int64_t piece, int32_t max_forward, int64_t deadline_ns,
+                       int64_t *in_forward_ns)
 {
-    Py_buffer src, dst, seg, gbuf;
-    long long start, piece, deadline_ns;
-    int max_forward;
-    if (!PyArg_ParseTuple(args, "y*w*y*w*LLiL", &src, &dst, &seg, &gbuf, &start, &piece,
-                          &max_forward, &deadline_ns))
-        return NULL;
-    PyObject *result = NULL;
-    int32_t *g = gate_of(&gbuf);
-    if (g == NULL)
-        goto done;
-    if (piece <= 0 || start < 0) {
-        PyErr_SetString(PyExc_ValueError, "piece must be > 0 and start >= 0");
-        goto done;
-    }
-    const int64_t *s = (const int64_t *)seg.buf;
-    Py_ssize_t n = checked_segments(&seg, &src, &dst);
-    if (n < 0)
-        goto done;
-    int64_t done_bytes = 0, in_forward_ns = 0; /* bytes before segment k; CPU ns in forwards */
-    int64_t pos = start;                       /* next byte of the concatenated segments */
+    int64_t off = 0; /* bytes of segment k copied */
     Py_ssize_t k = 0;
-    Py_BEGIN_ALLOW_THREADS
     int streamed = 0;
-    while (k < n && done_bytes + s[3 * k + 2] <= start) /* skip what an earlier call copied */
-        done_bytes += s[3 * k++ + 2];
     while (k < n) {
         int admit;
         for (;;) {
             int32_t seen = __atomic_load_n(&g[GATE_SEQ], __ATOMIC_SEQ_CST);
             admit = gate_admits(g, max_forward, deadline_ns);
-            if (admit != 0)
+            if (admit > 0)
                 break;
-            /* A change after ``seen`` was read bumped GATE_SEQ: the wait returns at once. */
-            int64_t left = deadline_ns - now_ns(CLOCK_MONOTONIC);
+            /* A change after ``seen`` was read bumped GATE_SEQ: the wait returns at once. A
+             * yield (loads copying, which requests wait for) has no deadline: loads are short. */
+            int64_t left = admit < 0 ? 1000000000 : deadline_ns - now_ns(CLOCK_MONOTONIC);
             __atomic_add_fetch(&g[GATE_WAITERS], 1, __ATOMIC_SEQ_CST);
             gate_wait(g, seen, left < 1 ? 1 : left);
             __atomic_sub_fetch(&g[GATE_WAITERS], 1, __ATOMIC_SEQ_CST);
         }
-        if (admit < 0)
-            break;
         int64_t cpu0 = admit == 2 ? now_ns(CLOCK_THREAD_CPUTIME_ID) : 0;
         int64_t budget = piece; /* copy one piece, possibly across segments */
         while (k < n && budget > 0) {
-            int64_t off = pos - done_bytes, len = s[3 * k + 2] - off;
+            int64_t len = s[3 * k + 2] - off;
             int64_t take = len < budget ? len : budget;
-            char *to = (char *)dst.buf + s[3 * k + 1] + off;
-            const char *from = (const char *)src.buf + s[3 * k] + off;
-            streamed |= copy_range(to, from, (size_t)take, 1);
-            pos += take;
+            streamed |= copy_range(dst + s[3 * k + 1] + off, src + s[3 * k] + off, (size_t)take, 1);
             budget -= take;
-            if (take == len)
-                done_bytes += s[3 * k++ + 2];
+            off += take;
+            if (take == len) {
+                k++;
+                off = 0;
+            }
         }
         if (admit == 2)
-            in_forward_ns += now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu0;
+            *in_forward_ns += now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu0;
     }
     end_copies(streamed);
-    Py_END_ALLOW_THREADS
-    result = Py_BuildValue("LL", (long long)pos, (long long)in_forward_ns);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * StoreLane: stores from submission to completion without the GIL. One native thread per lane
+ * takes jobs (byte segments of the lane's source and destination buffers) in submission order
+ * and copies each through the gate (gated_copy); completions wait in a list that the engine
+ * thread takes (take_done) when it polls. With a Python transfer thread instead, each store
+ * took the GIL twice while the engine ran (to start the copy, then to record it), and a
+ * thread that takes the GIL from the engine thread does it at the engine's next torch call,
+ * in the middle of a forward pass. The engine thread records the chunks' headers itself, when
+ * it takes the completion.
+ */
+typedef struct LaneJob {
+    struct LaneJob *next;
+    long long id;
+    int64_t *seg; /* 3 * nseg int64: (src offset, dst offset, length) */
+    Py_ssize_t nseg;
+    int32_t max_forward;
+    int64_t deadline_ns;
+    int64_t in_forward_ns, cpu_ns, wall_ns;
+} LaneJob;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer src, dst, gate; /* held for the lane's lifetime */
+    int32_t *g;
+    int64_t piece;
+    pthread_mutex_t mu;
+    pthread_cond_t work; /* a job was queued, or stop */
+    pthread_cond_t idle; /* a job ended */
+    LaneJob *queue, *queue_tail, *done, *done_tail;
+    long long running; /* id of the job being copied, -1 if none */
+    int64_t n_done;    /* ended, not taken: read without the lock by take_done's fast path */
+    int64_t n_pending; /* queued or running */
+    int stop, started, joined;
+    pthread_t thread;
+    long tid;
+} StoreLane;
+
+static void lane_free_jobs(LaneJob *j)
+{
+    while (j != NULL) {
+        LaneJob *next = j->next;
+        PyMem_RawFree(j->seg);
+        PyMem_RawFree(j);
+        j = next;
+    }
+}
+
+static void *lane_main(void *arg)
+{
+    StoreLane *L = arg;
+#if defined(__linux__)
+    __atomic_store_n(&L->tid, (long)syscall(SYS_gettid), __ATOMIC_SEQ_CST);
+#endif
+    pthread_mutex_lock(&L->mu);
+    for (;;) {
+        while (L->queue == NULL && !L->stop)
+            pthread_cond_wait(&L->work, &L->mu);
+        LaneJob *j = L->queue;
+        if (j == NULL)
+            break; /* stopped, nothing queued */
+        L->queue = j->next;
+        if (L->queue == NULL)
+            L->queue_tail = NULL;
+        L->running = j->id;
+        pthread_mutex_unlock(&L->mu);
+        int64_t t0 = now_ns(CLOCK_MONOTONIC), c0 = now_ns(CLOCK_THREAD_CPUTIME_ID);
+        gated_copy(L->dst.buf, L->src.buf, j->seg, j->nseg, L->g, L->piece, j->max_forward,
+                   j->deadline_ns, &j->in_forward_ns);
+        j->cpu_ns = now_ns(CLOCK_THREAD_CPUTIME_ID) - c0;
+        j->wall_ns = now_ns(CLOCK_MONOTONIC) - t0;
+        pthread_mutex_lock(&L->mu);
+        j->next = NULL;
+        if (L->done_tail != NULL)
+            L->done_tail->next = j;
+        else
+            L->done = j;
+        L->done_tail = j;
+        L->running = -1;
+        __atomic_add_fetch(&L->n_done, 1, __ATOMIC_SEQ_CST);
+        __atomic_sub_fetch(&L->n_pending, 1, __ATOMIC_SEQ_CST);
+        pthread_cond_broadcast(&L->idle);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return NULL;
+}
+
+static int lane_init(StoreLane *L, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"src", "dst", "gate", "piece", NULL};
+    long long piece;
+    if (L->started) {
+        PyErr_SetString(PyExc_RuntimeError, "StoreLane is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*w*w*L", kw, &L->src, &L->dst, &L->gate,
+                                     &piece))
+        return -1;
+    L->g = gate_of(&L->gate);
+    if (L->g == NULL || piece <= 0) {
+        if (L->g != NULL)
+            PyErr_SetString(PyExc_ValueError, "piece must be > 0");
+        PyBuffer_Release(&L->src);
+        PyBuffer_Release(&L->dst);
+        PyBuffer_Release(&L->gate);
+        return -1;
+    }
+    L->piece = piece;
+    L->running = -1;
+    pthread_mutex_init(&L->mu, NULL);
+    pthread_cond_init(&L->work, NULL);
+    pthread_cond_init(&L->idle, NULL);
+    int err = pthread_create(&L->thread, NULL, lane_main, L);
+    if (err != 0) {
+        PyBuffer_Release(&L->src);
+        PyBuffer_Release(&L->dst);
+        PyBuffer_Release(&L->gate);
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    L->started = 1;
+#if defined(__linux__)
+    pthread_setname_np(L->thread, "kv-store-lane");
+#endif
+    return 0;
+}
+
+/* Stop the thread once the queue is empty and join it; the caller released the GIL. */
+static void lane_join(StoreLane *L)
+{
+    pthread_mutex_lock(&L->mu);
+    L->stop = 1;
+    pthread_cond_signal(&L->work);
+    pthread_mutex_unlock(&L->mu);
+    pthread_join(L->thread, NULL);
+}
+
+static void lane_dealloc(StoreLane *L)
+{
+    if (L->started) {
+        if (!L->joined) {
+            /* Copy what is left at once (a gate that stays closed must not hang this). */
+            __atomic_store_n(&L->g[GATE_RELEASE], 1, __ATOMIC_SEQ_CST);
+            gate_changed(L->g);
+            Py_BEGIN_ALLOW_THREADS
+            lane_join(L);
+            Py_END_ALLOW_THREADS
+        }
+        lane_free_jobs(L->queue);
+        lane_free_jobs(L->done);
+        pthread_mutex_destroy(&L->mu);
+        pthread_cond_destroy(&L->work);
+        pthread_cond_destroy(&L->idle);
+        PyBuffer_Release(&L->src);
+        PyBuffer_Release(&L->dst);
+        PyBuffer_Release(&L->gate);
+    }
+    Py_TYPE(L)->tp_free((PyObject *)L);
+}
+
+static int lane_usable(StoreLane *L)
+{
+    if (!L->started || L->joined) {
+        PyErr_SetString(PyExc_RuntimeError, "StoreLane is not running");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *lane_submit(StoreLane *L, PyObject *args)
+{
+    long long id, deadline_ns;
+    int max_forward;
+    Py_buffer seg;
+    if (!lane_usable(L) || !PyArg_ParseTuple(args, "Ly*iL", &id, &seg, &max_forward, &deadline_ns))
+        return NULL;
+    PyObject *result = NULL;
+    LaneJob *j = NULL;
+    Py_ssize_t n = checked_segments(&seg, &L->src, &L->dst);
+    if (n < 0)
+        goto done;
+    if (id < 0) {
+        PyErr_SetString(PyExc_ValueError, "job id must be >= 0");
+        goto done;
+    }
+    j = PyMem_RawCalloc(1, sizeof(LaneJob));
+    if (j == NULL || (n && (j->seg = PyMem_RawMalloc((size_t)seg.len)) == NULL)) {
+        PyMem_RawFree(j);
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (n)
+        memcpy(j->seg, seg.buf, (size_t)seg.len);
+    j->id = id;
+    j->nseg = n;
+    j->max_forward = max_forward;
+    j->deadline_ns = deadline_ns;
+    __atomic_add_fetch(&L->n_pending, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_lock(&L->mu);
+    if (L->queue_tail != NULL)
+        L->queue_tail->next = j;
+    else
+        L->queue = j;
+    L->queue_tail = j;
+    pthread_cond_signal(&L->work);
+    pthread_mutex_unlock(&L->mu);
+    result = Py_NewRef(Py_None);
 done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
     PyBuffer_Release(&seg);
-    PyBuffer_Release(&gbuf);
     return result;
 }
+
+static PyObject *lane_take_done(StoreLane *L, PyObject *Py_UNUSED(ignored))
+{
+    if (__atomic_load_n(&L->n_done, __ATOMIC_SEQ_CST) == 0)
+        return PyList_New(0);
+    pthread_mutex_lock(&L->mu);
+    LaneJob *jobs = L->done;
+    L->done = L->done_tail = NULL;
+    __atomic_store_n(&L->n_done, 0, __ATOMIC_SEQ_CST);
+    pthread_mutex_unlock(&L->mu);
+    PyObject *out = PyList_New(0);
+    for (LaneJob *j = jobs; j != NULL && out != NULL; j = j->next) {
+        PyObject *t = Py_BuildValue("(LLLL)", j->id, (long long)j->in_forward_ns,
+                                    (long long)j->cpu_ns, (long long)j->wall_ns);
+        if (t == NULL || PyList_Append(out, t) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(t);
+    }
+    lane_free_jobs(jobs);
+    return out;
+}
+
+/* Whether job ``id`` is queued or copying; the caller holds the lock. */
+static int lane_has(StoreLane *L, long long id)
+{
+    if (L->running == id)
+        return 1;
+    for (LaneJob *j = L->queue; j != NULL; j = j->next)
+        if (j->id == id)
+            return 1;
+    return 0;
+}
+
+static void deadline_after(struct timespec *ts, double seconds)
+{
+    clock_gettime(CLOCK_REALTIME, ts); /* pthread_cond_timedwait's default clock */
+    int64_t ns = (int64_t)ts->tv_nsec + (int64_t)(seconds * 1e9);
+    ts->tv_sec += (time_t)(ns / 1000000000);
+    ts->tv_nsec = (long)(ns % 1000000000);
+}
+
+static PyObject *lane_wait(StoreLane *L, PyObject *args)
+{
+    Py_buffer ids;
+    double timeout;
+    if (!lane_usable(L) || !PyArg_ParseTuple(args, "y*d", &ids, &timeout))
+        return NULL;
+    if (ids.len % (Py_ssize_t)sizeof(int64_t)) {
+        PyBuffer_Release(&ids);
+        PyErr_SetString(PyExc_ValueError, "ids must be int64");
+        return NULL;
+    }
+    const int64_t *id = ids.buf;
+    Py_ssize_t n = ids.len / (Py_ssize_t)sizeof(int64_t), i = 0;
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    deadline_after(&ts, timeout < 0 ? 0 : timeout);
+    pthread_mutex_lock(&L->mu);
+    while (i < n && rc == 0) {
+        if (!lane_has(L, id[i]))
+            i++;
+        else
+            rc = pthread_cond_timedwait(&L->idle, &L->mu, &ts);
+    }
+    pthread_mutex_unlock(&L->mu);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&ids);
+    return PyBool_FromLong(i >= n);
+}
+
+static PyObject *lane_wait_any(StoreLane *L, PyObject *args)
+{
+    double timeout;
+    if (!lane_usable(L) || !PyArg_ParseTuple(args, "d", &timeout))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec ts;
+    deadline_after(&ts, timeout < 0 ? 0 : timeout);
+    pthread_mutex_lock(&L->mu);
+    while (L->done == NULL && (L->queue != NULL || L->running >= 0))
+        if (pthread_cond_timedwait(&L->idle, &L->mu, &ts) != 0)
+            break;
+    pthread_mutex_unlock(&L->mu);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *lane_cancel(StoreLane *L, PyObject *args)
+{
+    Py_buffer ids;
+    if (!lane_usable(L) || !PyArg_ParseTuple(args, "y*", &ids))
+        return NULL;
+    const int64_t *id = ids.buf;
+    Py_ssize_t n = ids.len / (Py_ssize_t)sizeof(int64_t);
+    LaneJob *dropped = NULL;
+    pthread_mutex_lock(&L->mu);
+    LaneJob **link = &L->queue, *prev = NULL;
+    while (*link != NULL) {
+        LaneJob *j = *link;
+        int hit = 0;
+        for (Py_ssize_t i = 0; i < n && !hit; i++)
+            hit = id[i] == j->id;
+        if (hit) {
+            *link = j->next;
+            j->next = dropped;
+            dropped = j;
+            __atomic_sub_fetch(&L->n_pending, 1, __ATOMIC_SEQ_CST);
+        } else {
+            prev = j;
+            link = &j->next;
+        }
+    }
+    L->queue_tail = prev;
+    pthread_mutex_unlock(&L->mu);
+    PyBuffer_Release(&ids);
+    PyObject *out = PyList_New(0);
+    for (LaneJob *j = dropped; j != NULL && out != NULL; j = j->next) {
+        PyObject *v = PyLong_FromLongLong(j->id);
+        if (v == NULL || PyList_Append(out, v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+    lane_free_jobs(dropped);
+    return out;
+}
+
+static PyObject *lane_close(StoreLane *L, PyObject *Py_UNUSED(ignored))
+{
+    if (L->started && !L->joined) {
+        Py_BEGIN_ALLOW_THREADS
+        lane_join(L);
+        Py_END_ALLOW_THREADS
+        L->joined = 1;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *lane_pending(StoreLane *L, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLongLong(__atomic_load_n(&L->n_pending, __ATOMIC_SEQ_CST));
+}
+
+static PyObject *lane_has_done(StoreLane *L, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(__atomic_load_n(&L->n_done, __ATOMIC_SEQ_CST) > 0);
+}
+
+static PyObject *lane_native_id(StoreLane *L, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(__atomic_load_n(&L->tid, __ATOMIC_SEQ_CST));
+}
+
+static PyMethodDef lane_methods[] = {
+    {"submit", (PyCFunction)lane_submit, METH_VARARGS,
+     "submit(job_id, segments, max_forward, deadline_ns): queue a copy of int64 (src, dst, "
+     "length) byte segments (bounds-checked here), gated like copy_gated."},
+    {"take_done", (PyCFunction)lane_take_done, METH_NOARGS,
+     "take_done() -> [(job_id, in_forward_cpu_ns, cpu_ns, wall_ns)]: jobs ended since the last "
+     "call, in the order they ended."},
+    {"wait", (PyCFunction)lane_wait, METH_VARARGS,
+     "wait(job_ids, timeout_s) -> bool: block, without the GIL, until none of the int64 ids "
+     "is queued or copying (True) or the timeout passes (False)."},
+    {"wait_any", (PyCFunction)lane_wait_any, METH_VARARGS,
+     "wait_any(timeout_s): block until a job has ended and not been taken, nothing is pending, "
+     "or the timeout passes."},
+    {"cancel", (PyCFunction)lane_cancel, METH_VARARGS,
+     "cancel(job_ids) -> [job_id]: drop the queued (not started) jobs among the int64 ids."},
+    {"close", (PyCFunction)lane_close, METH_NOARGS,
+     "close(): copy what is queued (as the gate admits it), then stop the thread."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef lane_getset[] = {
+    {"pending", (getter)lane_pending, NULL, "jobs queued or copying", NULL},
+    {"has_done", (getter)lane_has_done, NULL, "a job ended and was not taken", NULL},
+    {"native_id", (getter)lane_native_id, NULL, "the lane thread's kernel thread id", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject StoreLaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvserve.kv.offload._stream_copy.StoreLane",
+    .tp_basicsize = sizeof(StoreLane),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "StoreLane(src, dst, gate, piece): a native thread that copies store jobs "
+              "between two byte buffers through a forward-pass gate, without the GIL.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lane_init,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_methods = lane_methods,
+    .tp_getset = lane_getset,
+};
 
 /* ---------------------------------------------------------------------------------------------
  * A store's plan, on the engine thread without numpy's per-call overhead (~20 calls, 0.3-0.5 ms
@@ -487,13 +869,6 @@ static PyMethodDef methods[] = {
      "copies waiting on the gate."},
     {"gate_set", gate_set, METH_VARARGS,
      "gate_set(gate, slot, value): set a gate slot (release, yield) and wake waiting copies."},
-    {"copy_gated", copy_gated, METH_VARARGS,
-     "copy_gated(src, dst, segments, gate, start, piece, max_forward, deadline_ns) -> "
-     "(end, in_forward_cpu_ns): copy the segments' bytes from byte ``start`` of their "
-     "concatenation, ``piece`` bytes at a time, each piece while no forward pass runs, or once "
-     "the gate's forward count passes max_forward, the gate is released or CLOCK_MONOTONIC "
-     "reaches deadline_ns; without the GIL. Returns early (end < total) when the gate's yield "
-     "slot is set; streaming stores throughout."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -505,4 +880,12 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__stream_copy(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__stream_copy(void)
+{
+    if (PyType_Ready(&StoreLaneType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "StoreLane", (PyObject *)&StoreLaneType) < 0)
+        Py_CLEAR(m);
+    return m;
+}

@@ -17,9 +17,9 @@ steady state) measured 3.1-4.1 GB/s that way vs 4.5-6.4 GB/s split by bytes with
 copy of one buffer: ~8.5). Stores copy on one thread, so that they take one core at most from
 the forward pass they overlap.
 
-A store's copy is gated by the engine's forward passes (:class:`ForwardGate`): it copies piece
-by piece while no forward pass runs, waiting on the gate natively, without the GIL (see
-``_stream_copy.c`` for why a wait in Python cannot use the gaps).
+A store's copy is gated by the engine's forward passes (:class:`ForwardGate`): a native thread
+(:meth:`ForwardGate.lane`) copies it piece by piece while no forward pass runs, waiting on the
+gate without the GIL (see ``_stream_copy.c`` for why a wait in Python cannot use the gaps).
 """
 
 from __future__ import annotations
@@ -245,9 +245,9 @@ def host_segments(
 
 class ForwardGate:
     """Says whether the engine runs a forward pass, to copies that wait for the gaps between
-    them (:meth:`copy`). The engine thread calls :meth:`forward`; the owner of the copies sets
-    :meth:`release` (copy at once: someone waits for them) and :meth:`yield_` (return before
-    the next piece: more urgent work is queued). Native only (:data:`GATED`)."""
+    them (a :meth:`lane`'s). The engine thread calls :meth:`forward`; the owner of the copies
+    sets :meth:`release` (copy at once: someone waits for them) and :meth:`yield_` (wait before
+    the next piece: more urgent copies run). Native only (:data:`GATED`)."""
 
     _FORWARDS, _RELEASE, _YIELD = 3, 4, 5  # slots of the gate (see _stream_copy.c)
 
@@ -270,37 +270,19 @@ class ForwardGate:
             self._yield = on
             _native.gate_set(self._gate, self._YIELD, int(on))
 
+    def lane(self, src: np.ndarray, dst: np.ndarray, piece_bytes: int):
+        """A native :class:`StoreLane <_stream_copy.StoreLane>` copying store jobs from flat
+        ``src`` to flat ``dst`` through this gate, ``piece_bytes`` at a time (:data:`GATED`)."""
+        return _native.StoreLane(src, dst, self._gate, piece_bytes)
+
     @property
     def forwards(self) -> int:
         """Forward passes begun (wraps at 2**31)."""
         return int(self._gate[self._FORWARDS])
 
-    def copy(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        segments: np.ndarray,
-        start: int,
-        piece_bytes: int,
-        max_forward: int,
-        deadline: float,
-    ) -> tuple[int, float]:
-        """Copy ``segments`` (from :func:`host_segments`) from byte ``start`` of their
-        concatenation, ``piece_bytes`` at a time, each piece in a gap between forward passes,
-        or regardless once the gate counts more than ``max_forward`` forward passes, is
-        released, or ``time.monotonic()`` reaches ``deadline``. Returns the byte where it
-        stopped (the total unless the gate asked to yield) and the CPU seconds it copied
-        during forward passes."""
-        max_forward = (max_forward + (1 << 31)) % (1 << 32) - (1 << 31)  # the gate's int32
-        end, in_forward_ns = _native.copy_gated(
-            src, dst, segments.reshape(-1), self._gate, start, piece_bytes, max_forward,
-            int(deadline * 1e9),
-        )  # fmt: skip
-        return end, in_forward_ns / 1e9
 
-
-# Whether stores can wait for the gaps natively (:class:`ForwardGate`).
-GATED = _native is not None and hasattr(_native, "copy_gated") and hasattr(_native, "plan_store")
+# Whether stores can copy on a native thread waiting for the gaps (:meth:`ForwardGate.lane`).
+GATED = _native is not None and hasattr(_native, "StoreLane") and hasattr(_native, "plan_store")
 
 
 def plan_store(

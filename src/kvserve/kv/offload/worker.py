@@ -9,21 +9,22 @@ requests or eviction. A job copies whole engine blocks of a few chunks in one di
   verifies while its copy threads copy, so a bad chunk's bytes may reach its blocks; the CUDA
   worker verifies before it queues the copies.
 
-On the CPU a background thread runs jobs, loads before stores (requests wait for loads; the
-manager's pins keep the two from touching the same memory), each direction in submission
-order; a step's loads or stores run as one batch, copied with streaming stores
-(:mod:`block_copy`). A load is cut into pieces that copy threads, one per core, claim while the
-transfer thread verifies the chunks. A store copies on that one thread, in the gaps between
-forward passes (the engine's single-threaded scheduling and output handling, where a core is
-free): the engine says when a forward begins and ends (:meth:`forward_begins`,
-:meth:`forward_ends`), and a store waits, piece by piece, while one runs, for at most
-``store_max_lag`` forward passes (or ``store_max_wait_s``) after it was submitted, and while
-fewer than ``store_max_pending_blocks`` store blocks are pending; past that, or when the
-engine waits for it (a flush, an idle engine), it copies at once. The wait is native
-(:class:`~kvserve.kv.offload.block_copy.ForwardGate`: a futex, no GIL), so a piece starts the
-moment a forward pass ends; a wait in Python could not (the engine thread holds the GIL in the
-gap), and is only the fallback without the native extension. Its CPU time is counted apart
-when it ran during a forward pass (:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
+On the CPU a store of whole chunks is planned on the engine thread that submits it (byte
+segments and source checksums, one native call) and copied by a native thread, the store lane
+(:meth:`~kvserve.kv.offload.block_copy.ForwardGate.lane`), which never takes the GIL: it copies
+in pieces, each in a gap between forward passes (the engine's single-threaded scheduling and
+output handling, where a core is free). The engine says when a forward begins and ends
+(:meth:`forward_begins`, :meth:`forward_ends`: a native gate, a futex); a store waits while one
+runs, for at most ``store_max_lag`` forward passes (or ``store_max_wait_s``) after it was
+submitted, and while fewer than ``store_max_pending_blocks`` store blocks are pending; past that,
+or when the engine waits for it (a flush, an idle engine), it copies at once, and it waits
+while loads copy. The engine thread records the chunks' headers when :meth:`poll` takes the
+completion. A Python transfer thread runs loads (requests wait for them; a load is cut into
+pieces that copy threads, one per core, claim while the transfer thread verifies the chunks,
+a step's loads as one batch) and, without the native extension, stores, waiting for the gaps
+in Python (which cannot use them well: the engine thread holds the GIL in the gap). A store's
+CPU time is counted apart when it ran during a forward pass
+(:attr:`CpuTransferWorker.store_cpu_in_forward_s`).
 On CUDA each job goes to a stream of a pool, ordered by events: a store first waits for the
 compute stream (the forward that wrote its blocks), and completion is polled with
 ``Event.query()``. ``poll`` never blocks; ``wait`` does (flush before a preempted request's
@@ -212,9 +213,10 @@ class TransferWorker:
 
 
 class CpuTransferWorker(TransferWorker):
-    """One background thread; loads before stores, each in submission order. Queued jobs of
-    one direction (a step's loads, a step's stores) run as one batch: one pass of Python work
-    and one set of copies for all of them, so the copies are as long as the block runs allow."""
+    """Stores on the native lane, in submission order; loads (and stores without the lane) on
+    one background thread, loads first, each direction in submission order. Queued jobs of one
+    direction run there as one batch: one pass of Python work and one set of copies for all of
+    them, so the copies are as long as the block runs allow."""
 
     # Largest batch, in blocks (a batch in progress cannot be cancelled).
     max_batch_blocks = 4096
@@ -231,7 +233,9 @@ class CpuTransferWorker(TransferWorker):
     # (natively: a piece that a forward pass begins under overlaps it by ~25 us at most).
     store_piece_bytes = 256 << 10 if GATED else 1 << 20
 
-    def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend) -> None:
+    def __init__(self, kv_cache: torch.Tensor, tier: CpuBackend, native: bool = True) -> None:
+        """``native=False``: stores wait for the gaps in Python on the transfer thread, as
+        without the extension (tests of that fallback)."""
         super().__init__(kv_cache, tier)
         self._kv_u8 = kv_cache.view(kv_cache.shape[0], -1).view(torch.uint8)
         # Flat byte views that stores copy between (see :func:`host_segments`).
@@ -257,7 +261,17 @@ class CpuTransferWorker(TransferWorker):
         self._pending_store_blocks = 0  # submitted, result not produced yet
         self._store_blocks: dict[int, int] = {}  # of each such store job
         self._gap_waiters = 0  # stores waiting in _hold_store for a forward pass to end
-        self._gate = ForwardGate() if GATED else None  # else stores wait in _hold_store
+        self._gate = ForwardGate() if GATED and native else None  # else: _hold_store
+        # Stores with their plan (every store of whole chunks) go to a native thread, which
+        # copies them through the gate and never takes the GIL; this thread runs loads and
+        # the rest. Lane jobs submitted whose completion poll() has not taken yet:
+        self._lane = (
+            self._gate.lane(self._store_src, self._store_dst, self.store_piece_bytes)
+            if self._gate is not None
+            else None
+        )
+        self._lane_jobs: dict[int, TransferJob] = {}
+        self._loads_running = 0  # load batches taken and not published (stores yield to them)
         # Whether the gate says "in a forward pass": it is closed (and counts forward passes)
         # only while stores are pending, the only copies it holds; the engine thread's two
         # calls per step are then a check of one attribute (they run cache-cold, right after
@@ -281,6 +295,7 @@ class CpuTransferWorker(TransferWorker):
             if self._stop:
                 raise RuntimeError("transfer worker is shut down")
             now = time.monotonic()
+            queued = False
             for job in jobs:
                 job.submitted_forward = self._forwards
                 job.submitted_at = now
@@ -290,14 +305,36 @@ class CpuTransferWorker(TransferWorker):
                         self._gate.forward(True)
                     job.submitted_forward = self._gate.forwards
                 if job.is_store:
-                    self._store_blocks[job.job_id] = job.num_blocks
                     self._pending_store_blocks += job.num_blocks
                 else:
                     self._queued_loads += 1
+                if job.is_store and self._lane is not None and job.segments is not None:
+                    self._lane_jobs[job.job_id] = job
+                    continue
+                if job.is_store:
+                    self._store_blocks[job.job_id] = job.num_blocks
                 self._inflight.add(job.job_id)
                 self._queue.append(job)
-            self._update_gate()
-            self._cond.notify_all()
+                queued = True
+            self._update_gate()  # before the lane sees the jobs: a backlog releases them
+            if queued:  # the transfer thread has work (lane jobs never wake it)
+                self._cond.notify_all()
+        for job in jobs:
+            if job.is_store and job.job_id in self._lane_jobs:
+                try:
+                    self._lane.submit(
+                        job.job_id, job.segments,
+                        _int32(job.submitted_forward + self.store_max_lag),
+                        int((job.submitted_at + self.store_max_wait_s) * 1e9),
+                    )  # fmt: skip
+                except Exception:  # a plan out of bounds: fails alone, like a copy would
+                    logger.exception("KV store job %d rejected", job.job_id)
+                    with self._cond:
+                        del self._lane_jobs[job.job_id]
+                        self._pending_store_blocks -= job.num_blocks
+                        bad = list(range(job.num_chunks))
+                        self._results.append(TransferResult(job.job_id, False, bad))
+                        self._update_gate()
 
     def _prepare_store(self, job: TransferJob) -> None:
         """A store's byte segments and the checksums of its source blocks, worked out here, on
@@ -369,7 +406,7 @@ class CpuTransferWorker(TransferWorker):
                 or self._stop
                 or self._pending_store_blocks > self.store_max_pending_blocks
             )
-            self._gate.yield_(self._queued_loads > 0)
+            self._gate.yield_(self._queued_loads > 0 or self._loads_running > 0)
 
     def _hold_store(self, job: TransferJob) -> bool:
         """Between a store's pieces: wait for the current forward pass to end, running loads
@@ -387,7 +424,7 @@ class CpuTransferWorker(TransferWorker):
                 self._gap_waiters -= 1
                 loads = self._take_batch(load=True) if self._queued_loads else []
             if loads:
-                self._publish(self._run_safe(loads))
+                self._publish(self._run_safe(loads), loads=True)
 
     def _take_batch(self, load: bool) -> list[TransferJob]:
         """Queued jobs of one direction, in submission order, up to ``max_batch_blocks``
@@ -404,57 +441,107 @@ class CpuTransferWorker(TransferWorker):
             self._queue.remove(job)
         if load:
             self._queued_loads -= len(batch)
+            self._loads_running += 1
             self._update_gate()
         return batch
 
-    def _publish(self, results: list[TransferResult]) -> None:
+    def _publish(self, results: list[TransferResult], loads: bool = False) -> None:
+        """Publish a batch's results (``loads``: of a load batch, which stores yield to)."""
         with self._cond:
             for result in results:
                 self._finish(result)
+            if loads:
+                self._loads_running -= 1
+                self._update_gate()
 
-    def poll(self) -> list[TransferResult]:
+    def _take_lane(self) -> list[TransferResult]:
+        """The lane's ended stores as results, their headers recorded (on the polling thread:
+        checksums of the source, computed at submission)."""
+        done = self._lane.take_done()
+        if not done:
+            return []
+        out = []
+        block_bytes = self.tier.layout.block_bytes
         with self._cond:
-            out, self._results = self._results, []
+            jobs = [self._lane_jobs.pop(jid) for jid, _, _, _ in done]
+            for job in jobs:
+                self._pending_store_blocks -= job.num_blocks
+            self._update_gate()
+        for job, (jid, in_forward_ns, cpu_ns, wall_ns) in zip(jobs, done, strict=True):
+            self.tier.record(job.slots, job.keys, job.checksums)
+            out.append(TransferResult(jid, True, [], job.num_blocks * block_bytes, wall_ns / 1e9))
+            self.store_cpu_s += cpu_ns / 1e9
+            self.store_cpu_in_forward_s += in_forward_ns / 1e9
         return out
 
+    def poll(self) -> list[TransferResult]:
+        lane = self._take_lane() if self._lane is not None and self._lane.has_done else []
+        if not self._results:
+            return lane
+        with self._cond:
+            out, self._results = self._results, []
+        return out + lane
+
     def has_results(self) -> bool:
-        return bool(self._results)
+        return bool(self._results) or (self._lane is not None and self._lane.has_done)
+
+    @property
+    def thread_ids(self) -> list[int]:
+        """Kernel thread ids of the transfer thread and the store lane's (CPU accounting)."""
+        ids = [self._thread.native_id]
+        if self._lane is not None and self._lane.native_id:
+            ids.append(self._lane.native_id)
+        return ids
+
+    def _urgency(self, delta: int) -> None:
+        """Someone starts (+1) or stops (-1) waiting for jobs: stores copy at once meanwhile."""
+        with self._cond:
+            self._urgent += delta
+            self._update_gate()
+            self._cond.notify_all()
 
     def wait(self, job_ids: Iterable[int]) -> None:
         ids = set(job_ids)
-        with self._cond:
-            self._urgent += 1
-            self._update_gate()
-            self._cond.notify_all()
-            try:
+        lane_ids = [i for i in ids if i in self._lane_jobs]
+        self._urgency(+1)
+        try:
+            if lane_ids:
+                self._lane.wait(np.asarray(lane_ids, dtype=np.int64), 1e9)
+            with self._cond:
                 self._cond.wait_for(lambda: not (ids & self._inflight))
-            finally:
-                self._urgent -= 1
-                self._update_gate()
+        finally:
+            self._urgency(-1)
 
     def wait_any(self, timeout: float) -> None:
-        with self._cond:
-            self._urgent += 1
-            self._update_gate()
-            self._cond.notify_all()
-            try:
-                self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
-            finally:
-                self._urgent -= 1
-                self._update_gate()
+        self._urgency(+1)
+        try:
+            if self._inflight:  # loads (or stores without the lane): lane stores wait for them
+                with self._cond:
+                    self._cond.wait_for(lambda: self._results or not self._inflight, timeout)
+            elif self._lane is not None and self._lane.pending:
+                self._lane.wait_any(timeout)
+        finally:
+            self._urgency(-1)
 
     def cancel(self, job_ids: Iterable[int]) -> set[int]:
         ids = set(job_ids)
+        lane_ids = [i for i in ids if i in self._lane_jobs]
+        dropped_lane = self._lane.cancel(np.asarray(lane_ids, dtype=np.int64)) if lane_ids else []
         with self._cond:
             dropped = [j for j in self._queue if j.job_id in ids]
             for job in dropped:
                 self._queue.remove(job)
                 self._queued_loads -= not job.is_store
                 self._finish(TransferResult(job.job_id, ok=False, cancelled=True))
+            for jid in dropped_lane:
+                self._pending_store_blocks -= self._lane_jobs.pop(jid).num_blocks
+                self._results.append(TransferResult(jid, ok=False, cancelled=True))
             self._update_gate()
-        return {j.job_id for j in dropped}
+        return {j.job_id for j in dropped} | set(dropped_lane)
 
     def shutdown(self) -> None:
+        if self._lane is not None:  # queued stores cancelled before the gate is released
+            self.cancel(list(self._lane_jobs))
         with self._cond:
             self._stop = True
             for job in self._queue:
@@ -463,6 +550,9 @@ class CpuTransferWorker(TransferWorker):
             self._queued_loads = 0
             self._update_gate()
             self._cond.notify_all()
+        if self._lane is not None:  # the store copying, released by the stop, finishes
+            self._lane.close()
+            self._results += self._take_lane()
         self._thread.join(timeout=30)
         self._copy_threads.shutdown()
 
@@ -482,8 +572,9 @@ class CpuTransferWorker(TransferWorker):
                 if self._stop and not self._queue:
                     return
                 # Loads first (requests wait for them), then stores.
-                batch = self._take_batch(load=self._queued_loads > 0)
-            self._publish(self._run_safe(batch))
+                load = self._queued_loads > 0
+                batch = self._take_batch(load=load)
+            self._publish(self._run_safe(batch), loads=load)
 
     def _run_safe(self, batch: list[TransferJob]) -> list[TransferResult]:
         """Run a batch; if it fails, each job alone, so that one bad job fails only itself."""
@@ -496,40 +587,11 @@ class CpuTransferWorker(TransferWorker):
             logger.exception("KV transfer job %d failed", job.job_id)
             return [TransferResult(job.job_id, ok=False, bad_chunks=list(range(job.num_chunks)))]
 
-    def _copy_store_gated(self, batch: list[TransferJob]) -> list[float]:
-        """A store batch's copy, gated natively by the forward passes (lag and deadline from
-        its first job), running loads queued meanwhile. Returns [CPU s copied during forward
-        passes, CPU s of those loads]."""
-        head = batch[0]
-        src, dst = self._store_src, self._store_dst
-        # Not prepared at submission (a bad job, which fails here): work them out now.
-        if any(job.segments is None for job in batch):
-            ids = _store_ids(self.tier, [c for job in batch for c in job.chunks])
-            segments = host_segments(self.kv_cache, self.tier.blocks, *ids)[2]
-        elif len(batch) == 1:
-            segments = head.segments
-        else:
-            segments = np.concatenate([job.segments for job in batch])
-        total, start, cpu = int(segments[:, 2].sum()), 0, [0.0, 0.0]
-        while True:
-            start, in_forward_s = self._gate.copy(
-                src, dst, segments, start, self.store_piece_bytes,
-                head.submitted_forward + self.store_max_lag,
-                head.submitted_at + self.store_max_wait_s,
-            )  # fmt: skip
-            cpu[0] += in_forward_s
-            if start >= total:
-                return cpu
-            with self._cond:  # the gate asked to yield: loads are queued
-                loads = self._take_batch(load=True) if self._queued_loads else []
-            if loads:
-                t = time.thread_time()
-                self._publish(self._run_safe(loads))
-                cpu[1] += time.thread_time() - t
-
     def _copy_store_held(self, batch: list[TransferJob]) -> list[float]:
-        """The same as :meth:`_copy_store_gated`, waiting in Python (:meth:`_hold_store`):
-        without the native extension."""
+        """A store batch's copy, piece by piece, each waiting in Python (:meth:`_hold_store`)
+        for a gap between forward passes (lag and deadline from its first job), running loads
+        queued meanwhile: stores without the native lane. Returns [CPU s copied during forward
+        passes, CPU s of those loads]."""
         head, chunks = batch[0], [c for job in batch for c in job.chunks]
         # CPU time at the last piece, in forward passes so far, running loads meanwhile.
         cpu = [time.thread_time(), 0.0, 0.0]
@@ -559,11 +621,7 @@ class CpuTransferWorker(TransferWorker):
         tier = self.tier
         if batch[0].is_store:
             t_cpu = time.thread_time()
-            if self._gate is not None:
-                # [CPU s in forward passes, CPU s of loads run meanwhile]
-                cpu = self._copy_store_gated(batch)
-            else:
-                cpu = self._copy_store_held(batch)
+            cpu = self._copy_store_held(batch)  # [CPU s in forward passes, of loads meanwhile]
             # Checksums of the source: a copy that went wrong fails the load's verification.
             if all(job.checksums is not None for job in batch):
                 sums = [c for job in batch for c in job.checksums]
@@ -697,6 +755,11 @@ class CudaTransferWorker(TransferWorker):  # pragma: no cover - needs CUDA
     def shutdown(self) -> None:
         for _, _, done, _ in self._inflight.values():
             done.synchronize()
+
+
+def _int32(n: int) -> int:
+    """``n`` wrapped to a signed 32-bit int (the gate's forward count)."""
+    return (n + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def make_transfer_worker(kv_cache: torch.Tensor, tier: CpuBackend) -> TransferWorker:
