@@ -37,6 +37,7 @@ from prometheus_client import Gauge
 from kvserve.cluster.endpoints import Endpoint
 from kvserve.cluster.epp.grpc_server import Call, GrpcServer, Method
 from kvserve.cluster.epp.health import HealthService
+from kvserve.cluster.epp.idle_gc import IdleCollector
 from kvserve.cluster.epp.processor import REQUEST_HEADERS_READ, ExtProcStream
 from kvserve.cluster.gateway import Router, wait_for_stop_signal
 
@@ -207,6 +208,8 @@ async def serve_forever(core: Router) -> None:
     await epp.start()
     gc.collect()
     gc.freeze()
+    collector = IdleCollector()  # young collections between callbacks, not in a request's
+    collector.start()
     logger.warning(
         "kvserve route --epp: ext_proc on %s:%s, HTTP on %s:%s",
         epp.host,
@@ -217,4 +220,5 @@ async def serve_forever(core: Router) -> None:
     try:
         await wait_for_stop_signal()
     finally:
+        collector.stop()
         await epp.stop()
