@@ -567,6 +567,26 @@ def run_quality(args, workdir: Path) -> tuple[dict, dict]:
     return qual, sizes
 
 
+def pooled_quality(args, rounds: list[dict], sizes: dict) -> dict:
+    """This run's rounds and those of earlier runs (``--pool-quality``: their JSON records,
+    the same preset and workload with other seeds): the paired intervals over all of them."""
+    every = list(rounds)
+    mine = {k: v for k, v in sizes["params"].items() if k != "seed"}
+    for f in args.pool_quality:
+        d = json.loads(Path(f).read_text())
+        cfg = d["config"]
+        theirs = {k: v for k, v in cfg["quality_workload"]["params"].items() if k != "seed"}
+        if cfg["quality_preset"] != args.preset or theirs != mine:
+            raise SystemExit(f"{f}: another preset or workload, not pooled")
+        every += d["quality"]["rounds"]
+    return {
+        "runs": [Path(f).stem for f in args.pool_quality],
+        "n": len(every),
+        "throughput": paired_interval([r["throughput_ratio"] for r in every]),
+        "ttft_p90": paired_interval([r["ttft_p90_ratio"] for r in every]),
+    }
+
+
 def _other_ratios(got: dict) -> dict:
     """A round's ratios that involve the hop arm (when it ran), and its TTFT p90 / tok/s."""
     out = {}
@@ -656,6 +676,16 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
             f"vs {h['cache_hit_ratio']:.0%} (goal within 5%: throughput {ok[0]}, TTFT p90 "
             f"{ok[1]})."
         )
+        if "pooled" in qual:
+            pool = qual["pooled"]
+            thr, ttft = pool["throughput"], pool["ttft_p90"]
+            ok = [met.get(x["band"], x["band"]) for x in (thr, ttft)]
+            verdict.append(
+                f"- Pooled with {', '.join(pool['runs'])} ({pool['n']} paired rounds): "
+                f"throughput {thr['geomean']:.3f}x ({thr['ci95'][0]:.3f}-{thr['ci95'][1]:.3f}), "
+                f"TTFT p90 {ttft['geomean']:.3f}x ({ttft['ci95'][0]:.3f}-{ttft['ci95'][1]:.3f}) "
+                f"(goal within 5%: throughput {ok[0]}, TTFT p90 {ok[1]})."
+            )
         if "hop_ttft_p90" in qual:
             hop, rest = qual["hop_ttft_p90"], qual["ext_proc_ttft_p90"]
             hop_t, rest_t = qual["hop_throughput"], qual["ext_proc_throughput"]
@@ -937,6 +967,13 @@ def main() -> None:
         "the same Envoy (its listener without ext_proc): Envoy's hop alone, and ext_proc + EPP "
         "against the proxy behind the same hop",
     )
+    ap.add_argument(
+        "--pool-quality",
+        nargs="+",
+        default=[],
+        help="routing quality: earlier runs' JSON records (same preset and workload, another "
+        "--seed) whose rounds are pooled with this run's for one more interval",
+    )
     ap.add_argument("--quick", action="store_true", help="short blocks, half workload")
     ap.add_argument("--out", default=str(RESULTS / "epp"))
     ap.add_argument("--serve-null-processor", nargs=2, help=argparse.SUPPRESS)
@@ -968,6 +1005,8 @@ def main() -> None:
         qual = sizes = None
         if not args.skip_quality:
             qual, sizes = run_quality(args, Path(tmp))
+            if args.pool_quality:
+                qual["pooled"] = pooled_quality(args, qual["rounds"], sizes)
     report(args, over, qual, sizes, time.monotonic() - started)
 
 
