@@ -288,11 +288,16 @@ class CpuAccount:
             return 0.0
 
     @staticmethod
-    def _machine_busy() -> float:
+    def _machine_busy() -> tuple[float, float]:
+        """(busy, steal) CPU seconds of the whole machine: steal is time the hypervisor ran
+        something else on our vCPUs (its own I/O or memory work for us, other guests); with
+        paravirtual time accounting a thread's CPU time leaves it out, wall time does not."""
         with open("/proc/stat") as f:
             vals = [int(x) for x in f.readline().split()[1:]]
         idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-        return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        steal = vals[7] if len(vals) > 7 else 0
+        return (sum(vals[:8]) - idle) / tick, steal / tick
 
     def snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = {}
@@ -311,12 +316,19 @@ class CpuAccount:
         snap["process"] = total
         for name, pid in self.pids.items():
             snap[f"proc:{name}"] = self._proc_cpu(pid)
-        snap["machine"] = self._machine_busy()
+        snap["machine"], snap["steal"] = self._machine_busy()
         return snap
 
     @staticmethod
     def diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
         return {k: round(b[k] - a.get(k, 0.0), 3) for k in b}
+
+
+def per_second(ds: list[dict[str, float]], secs: list[float]) -> dict[str, float]:
+    """Sums of ``ds`` (CPU seconds by consumer) over the sum of ``secs`` (wall seconds)."""
+    keys = sorted({k for d in ds for k in d})
+    total = sum(secs) or 1.0
+    return {k: round(sum(d.get(k, 0.0) for d in ds) / total, 4) for k in keys}
 
 
 def median_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
@@ -900,7 +912,11 @@ class WriterVariant:
     def apply(self, llm: LLM, switch: StorageSwitch, server_pid: int) -> Callable[[], None]:
         """Attach the tiers this way (the engine idle); returns the undo."""
         switch.set(self.mode)
-        storage = switch.worker(self.mode)
+        return self.configure(llm, switch.worker(self.mode), server_pid)
+
+    def configure(self, llm: LLM, storage: StorageWorker, server_pid: int) -> Callable[[], None]:
+        """Set the writers of ``storage`` this way (also between two steps of a running
+        engine: the writer process takes it before its next batch); returns the undo."""
         fs = [t for t in llm.engine.connector.tiers if t.name == "fs"]
         configured = fs[0].o_direct if fs else None
         storage.configure_writes(duty=self.duty, policy=self.policy, fs_o_direct=self.fs_o_direct)
@@ -1133,10 +1149,16 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
     # windows: (on, start, measured from, end, cpu seconds by consumer, fs usage at the end)
     windows: list[dict[str, Any]] = []
     n_windows = 2 * args.win_pairs
-    order = [w for p in range(args.win_pairs) for w in ((True, False), (False, True))[p % 2]]
+    variants = [WriterVariant(v) for v in args.win_variants]
+    if any(v.mode != "proc" for v in variants):
+        raise ValueError("--win-variants: writer process variants only (the engine runs)")
+    nv = len(variants)
+    # Pair p runs variant p % nv; each variant's pairs alternate on/off and off/on.
+    order = [
+        w for p in range(args.win_pairs) for w in ((True, False), (False, True))[(p // nv) % 2]
+    ]
+    undo: Callable[[], None] = variants[0].configure(llm, storage, st.redis.proc.pid)
     t_before = tier_counts(llm)
-    cpu_on: list[dict[str, float]] = []
-    cpu_off: list[dict[str, float]] = []
     with Feeder(storage, eng.connector.tier, args.heavy_mb_s * 1e6, active=active) as feeder:
         prev = time.perf_counter()
         k = 0  # the window running
@@ -1161,10 +1183,12 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
                 w_from = now  # measured from here (the stream's writes acknowledged)
             if w_from is not None and now - w_from >= args.win_s:
                 s2 = acct.snapshot()
-                (cpu_on if on else cpu_off).append(CpuAccount.diff(snap, s2))
+                cpu = CpuAccount.diff(snap, s2)
                 windows.append(
                     {
                         "on": on,
+                        "variant": (k // 2) % nv,
+                        "cpu": cpu,
                         "start": w_start,
                         "from": w_from,
                         "end": now,
@@ -1172,6 +1196,9 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
                     }
                 )
                 k += 1
+                if k < n_windows and k % 2 == 0 and nv > 1:  # a new pair: its variant
+                    undo()
+                    undo = variants[(k // 2) % nv].configure(llm, storage, st.redis.proc.pid)
                 if k < n_windows:
                     on = order[k]
                     switch(active, on)
@@ -1180,6 +1207,7 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
                     prev = time.perf_counter()  # the bookkeeping stays out of the windows
         active.clear()
         fed = feeder.chunks
+    undo()
     while eng.has_unfinished_requests():
         eng.step()
     t_after = tier_counts(llm)
@@ -1198,6 +1226,7 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
         (tok_on, dt_on, n_on), (tok_off, dt_off, n_off) = rate(w_on), rate(w_off)
         rows.append(
             {
+                "variant": a["variant"],
                 "tok_on": tok_on, "s_on": dt_on, "steps_on": n_on,
                 "tok_off": tok_off, "s_off": dt_off, "steps_off": n_off,
                 "fs_full": bool(fs) and w_on["fs_used"] >= 0.9 * fs[0].size_bytes,
@@ -1205,7 +1234,27 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
         )  # fmt: skip
     # A pair counts when each window has steps enough (a batch boundary can take half of one).
     least = 0.5 * statistics.median(r["steps_on"] + r["steps_off"] for r in rows) / 2
-    kept = [r for r in rows if min(r["steps_on"], r["steps_off"]) >= least]
+    every = [r for r in rows if min(r["steps_on"], r["steps_off"]) >= least]
+
+    def cpu_per_s(variant: int, on: bool) -> dict[str, float]:
+        """CPU seconds per second of the variant's on (off) windows, settling included."""
+        ws = [w for w in windows if w["variant"] == variant and w["on"] == on]
+        return per_second([w["cpu"] for w in ws], [w["end"] - w["start"] for w in ws])
+
+    cpu_on = [w["cpu"] for w in windows if w["on"] and w["variant"] == 0]
+    cpu_off = [w["cpu"] for w in windows if not w["on"] and w["variant"] == 0]
+    by_variant: dict[str, Any] = {}
+    for i, v in enumerate(variants):
+        vr = [(r["tok_on"] / r["s_on"]) / (r["tok_off"] / r["s_off"]) for r in every]
+        vr = [x for x, r in zip(vr, every, strict=True) if r["variant"] == i]
+        by_variant[v.spec] = {
+            "pairs": len(vr),
+            "paired_median": statistics.median(vr) if vr else None,
+            "paired_ci95": bootstrap_median_ci(vr) if len(vr) >= 10 else None,
+            "cpu_on_per_s": cpu_per_s(i, True),
+            "cpu_off_per_s": cpu_per_s(i, False),
+        }
+    kept = [r for r in every if r["variant"] == 0]  # the headline: the first variant
     ratios = [(r["tok_on"] / r["s_on"]) / (r["tok_off"] / r["s_off"]) for r in kept]
     full = [x for x, r in zip(ratios, kept, strict=True) if r["fs_full"]]
     on_s = sum(r["s_on"] for r in kept)
@@ -1233,8 +1282,12 @@ def bench_decode_windows(st: Setup, args, progress) -> dict:
         "dropped": {k: v["dropped"] for k, v in d.items()},
         "cpu_on": median_dicts(cpu_on),
         "cpu_off": median_dicts(cpu_off),
+        # CPU seconds per second of window, by consumer (steal: the machine's, both vCPUs)
+        "cpu_on_per_s": cpu_per_s(0, True),
+        "cpu_off_per_s": cpu_per_s(0, False),
         "ratios": ratios,
         "pairs_rows": rows,
+        "variants": by_variant,
     }
     res["ratio"] = res["throughput_on_tok_s"] / res["throughput_off_tok_s"]
     lo, hi = res["paired_ci95"]
@@ -1496,6 +1549,11 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--win-s", type=float, default=0.5, help="measured seconds of a window")
     ap.add_argument("--win-guard-s", type=float, default=0.15, help="settling before it")
     ap.add_argument("--win-tokens", type=int, default=512, help="tokens per decode batch")
+    ap.add_argument(
+        "--win-variants", nargs="+", default=["proc"],
+        help="writer settings of 4 (windows), one per pair in turn (first: the headline); "
+        "writer-process forms of --decode-variants (proc+fsdirect, proc+srvidle, ...)",
+    )  # fmt: skip
     ap.add_argument("--ws-prompt-len", type=int, default=1024)
     ap.add_argument("--ws-host-prompts", type=int, default=4)
     ap.add_argument("--ws-batch", type=int, default=8)
@@ -1706,6 +1764,34 @@ def report(res: dict, name: str) -> str:
             f"written MB/s in on windows: {mbs}; chunks dropped: {drops}) "
             f"| {verdict(lo, hi, 0.97)} |"
         )
+        if len(w.get("variants", {})) > 1:
+            parts = []
+            for spec, v in w["variants"].items():
+                ci = v["paired_ci95"]
+                ci_s = f" (95% {ci[0]:.3f}-{ci[1]:.3f})" if ci else ""
+                parts.append(f"`{spec}` {v['paired_median']:.3f}{ci_s}, {v['pairs']} pairs")
+            lines.append(
+                "| 4w''. the same by writer setting, pairs of each in turn | "
+                + "; ".join(parts)
+                + " | - |"
+            )
+        if "cpu_on_per_s" in w:
+            on, off = w["cpu_on_per_s"], w["cpu_off_per_s"]
+            parts = [
+                f"{label} {on.get(k, 0.0):.3f} / {off.get(k, 0.0):.3f}"
+                for k, label in (
+                    ("thread:MainThread", "engine thread"),
+                    ("proc:storage-writer", "writer process"),
+                    ("proc:valkey-server", "Valkey"),
+                    ("machine", "machine busy"),
+                    ("steal", "steal (hypervisor)"),
+                )
+            ]
+            lines.append(
+                "| 4w'. CPU seconds per second of window, stream on / off (settling included) | "
+                + "; ".join(parts)
+                + " | - |"
+            )
     if "cost" in res:
         c = res["cost"]
         for mode, label in (("proc", "the writer process"), ("thread", "writer threads")):
@@ -1816,7 +1902,14 @@ def report(res: dict, name: str) -> str:
         "stream's rate: ~30 s of on windows); pairs once the fs tier is full are reported "
         "apart. Other tenants' load changes over seconds: adjacent windows see the same "
         "machine, hence hundreds of pairs with a tight interval in the time a dozen 7-s run "
-        "pairs take. Verdict by the 95% bootstrap interval of the median paired ratio.",
+        "pairs take. Verdict by the 95% bootstrap interval of the median paired ratio. "
+        "With several writer settings (`--win-variants`, the forms of 4's variants that keep "
+        "the writer process), pair p runs setting p mod n (set between two steps), each "
+        "setting's pairs alternating on/off and off/on; the headline is the first setting's. "
+        "4w': CPU seconds per second of window by consumer, on windows against off windows, "
+        "settling included; `steal` is the machine's steal time (/proc/stat: the hypervisor "
+        "running something else on our vCPUs), which a thread's CPU time leaves out and wall "
+        "time does not.",
         "- 4c: no model: the main thread counts iterations of a pure-Python loop (what the "
         "engine thread does between torch calls) while a feeder thread submits chunks from a "
         "host tier in shared memory at a fixed rate to a storage worker over disk + fs + "
