@@ -552,7 +552,9 @@ class CpuTransferWorker(TransferWorker):
             self._cond.notify_all()
         if self._lane is not None:  # the store copying, released by the stop, finishes
             self._lane.close()
-            self._results += self._take_lane()
+            ended = self._take_lane()
+            with self._cond:
+                self._results += ended
         self._thread.join(timeout=30)
         self._copy_threads.shutdown()
 
