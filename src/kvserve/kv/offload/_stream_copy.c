@@ -687,7 +687,9 @@ static PyObject *lane_native_id(StoreLane *L, void *Py_UNUSED(closure))
 static PyMethodDef lane_methods[] = {
     {"submit", (PyCFunction)lane_submit, METH_VARARGS,
      "submit(job_id, segments, max_forward, deadline_ns): queue a copy of int64 (src, dst, "
-     "length) byte segments (bounds-checked here), gated like copy_gated."},
+     "length) byte segments (bounds-checked here), copied piece by piece while no forward "
+     "pass runs, or once the gate's forward count passes max_forward, the gate is released "
+     "or CLOCK_MONOTONIC reaches deadline_ns; waiting while the gate's yield slot is set."},
     {"take_done", (PyCFunction)lane_take_done, METH_NOARGS,
      "take_done() -> [(job_id, in_forward_cpu_ns, cpu_ns, wall_ns)]: jobs ended since the last "
      "call, in the order they ended."},
