@@ -1,11 +1,14 @@
 """Staging reads from the page cache: how many I/O threads a read from the ``fs`` tier starts
-with by default, and that each verifies every chunk it reads."""
+with by default, that each verifies every chunk it reads, and the header check every read
+of a storage tier makes."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvserve.cpu import usable_cores
+from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec
 from kvserve.kv.offload.storage_worker import ReadItem, read_groups
 from tests.kv.test_storage_worker import (  # noqa: F401  (device_fs, make_worker: fixtures)
     CODEC,
@@ -48,3 +51,35 @@ def test_a_read_from_the_page_cache_takes_two_threads_by_default(
             assert bytes(outs[i]) == bytes(payloads[i])
     assert len(calls) == len(read_groups(list(range(16)), 4)) == 8
     assert len(set(calls)) == expect, calls
+
+
+def test_a_header_is_accepted_only_as_this_codec_writes_it() -> None:
+    """Reads check every chunk's header against the bytes this codec writes (compared in runs,
+    not field by field): any byte changed in the magic, version, layout length, payload
+    length, key, model or layout is a rejected header; a changed digest is returned as read
+    (the payload's hash then fails); the same fields from another codec are rejected."""
+    key, payload = os.urandom(32), os.urandom(CODEC.payload_bytes)
+    header = CODEC.header(key, payload)
+    digest = header[16:32]
+    assert CODEC.check_header(key, header) == digest
+    assert CODEC.verify(key, header + payload) is not None
+    used = 80 + len(CODEC.layout.encode())  # fixed fields, then the layout (zero padding after)
+    for i in range(used):
+        bad = bytearray(header)
+        bad[i] ^= 0x01
+        got = CODEC.check_header(key, bytes(bad))
+        if 16 <= i < 32:
+            assert got == bytes(bad[16:32]) != digest
+            assert CODEC.verify(key, bytes(bad) + payload) is None
+        else:
+            assert got is None, i
+    assert CODEC.check_header(key, header[: HEADER_BYTES - 1]) is None
+    assert CODEC.check_header(bytes(32), header) is None
+    others = (
+        ChunkCodec("fedcba9876543210", CODEC.layout, CODEC.payload_bytes),
+        ChunkCodec(CODEC.model, CODEC.layout + "x", CODEC.payload_bytes),
+        ChunkCodec(CODEC.model, CODEC.layout, CODEC.payload_bytes + 1),
+    )
+    for other in others:
+        assert other.check_header(key, header) is None
+        assert CODEC.check_header(key, other.header(key, os.urandom(other.payload_bytes))) is None

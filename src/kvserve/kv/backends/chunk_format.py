@@ -26,6 +26,7 @@ no chunk reads as another grouping's or as an every-layer chunk.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -44,6 +45,8 @@ _FIXED = struct.Struct(
     "<4sHHQ16s32s16s"
 )  # magic, version, layout len, payload len, hash, key, model
 _MAX_LAYOUT = HEADER_BYTES - _FIXED.size
+_DIGEST_AT = 16  # offset of the payload hash (after magic, version, layout len, payload len)
+_KEY_AT = _DIGEST_AT + 16
 
 
 def group_chunk_key(key: bytes, group_idx: int) -> bytes:
@@ -113,23 +116,33 @@ class ChunkCodec:
         """Header and payload as one value (one Redis value, one file)."""
         return self.header(key, payload) + bytes(payload)
 
+    @functools.cached_property
+    def _expected(self) -> tuple[bytes, bytes]:
+        """The header's bytes that do not depend on the chunk: before the digest (magic,
+        version, layout length, payload length) and after the key (model, layout)."""
+        layout = self.layout.encode()
+        fixed = _FIXED.pack(
+            MAGIC, STORAGE_FORMAT_VERSION, len(layout), self.payload_bytes, bytes(16),
+            bytes(32), self.model.encode(),
+        )  # fmt: skip
+        return fixed[:_DIGEST_AT], fixed[_KEY_AT + 32 :] + layout
+
     def check_header(self, key: bytes, header: memoryview | bytes) -> bytes | None:
         """The payload digest the header promises, or None if the header is not the one this
-        codec would write for ``key`` (another model, layout, version or key; torn or empty)."""
+        codec would write for ``key`` (another model, layout, version or key; torn or empty).
+        Every field is compared as the bytes this codec writes (one comparison per run of
+        fixed bytes: reads check a header per chunk)."""
         if len(header) < HEADER_BYTES:
             return None
-        magic, version, nlayout, nbytes, digest, hkey, model = _FIXED.unpack_from(header)
+        head, tail = self._expected
+        view = memoryview(header)
         if (
-            magic != MAGIC
-            or version != STORAGE_FORMAT_VERSION
-            or nbytes != self.payload_bytes
-            or hkey != key
-            or model != self.model.encode()
-            or nlayout > _MAX_LAYOUT
-            or bytes(header[_FIXED.size : _FIXED.size + nlayout]) != self.layout.encode()
+            view[:_DIGEST_AT] != head
+            or view[_KEY_AT : _KEY_AT + 32] != key
+            or view[_KEY_AT + 32 : _KEY_AT + 32 + len(tail)] != tail
         ):
             return None
-        return digest
+        return bytes(view[_DIGEST_AT:_KEY_AT])
 
     def verify(self, key: bytes, stored: memoryview | bytes) -> memoryview | None:
         """The payload of a stored chunk (header + payload) if it is ``key``'s and intact."""

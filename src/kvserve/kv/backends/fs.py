@@ -282,6 +282,13 @@ class FsBackend(StorageBackend):
         run."""
         self.o_direct = on and self._o_direct_ok
 
+    def _header_buffer(self) -> bytearray:
+        """This thread's buffer for a chunk file's header (reads)."""
+        buf = getattr(self._tls, "header", None)
+        if buf is None:
+            buf = self._tls.header = bytearray(HEADER_BYTES)
+        return buf
+
     def _bounce(self) -> memoryview:
         """This thread's page-aligned buffer of :attr:`direct_bytes`."""
         buf = getattr(self._tls, "bounce", None)
@@ -329,7 +336,7 @@ class FsBackend(StorageBackend):
             st = os.fstat(fd)
             if st.st_size != self.stored_bytes:
                 return _CORRUPT
-            header = bytearray(HEADER_BYTES)
+            header = self._header_buffer()
             done = 0
             if on_wait is not None:
                 done = self._read_cached(fd, header, out)
