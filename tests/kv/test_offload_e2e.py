@@ -237,3 +237,55 @@ def test_aborts_during_transfers(tiny_model_dir, reference) -> None:
         assert again.outputs[0].token_ids == ref_tokens(reference, [base + [7, 8, 9]], 3)[0]
     finally:
         llm.shutdown()
+
+
+def test_idle_steps_skip_the_connector_and_change_nothing(tiny_model_dir, reference) -> None:
+    """Decode steps with nothing to load or store and nothing in flight cost the connector one
+    call (idle_step): the engine skips its worker-side calls there, and only there; outputs
+    equal recompute, and every chunk a step completes is still stored."""
+    llm = make_llm(tiny_model_dir, num_kv_blocks=64, kv_offload_block_size=16)
+    conn = llm.engine.connector
+    steps: list[dict] = []
+
+    def counted(name):
+        fn = getattr(conn, name)
+
+        def wrapper(*a, **kw):
+            out = fn(*a, **kw)
+            calls = steps[-1]
+            calls[name] = calls.get(name, 0) + 1
+            if name == "idle_step":
+                calls["idle"] = out
+            elif name == "build_connector_meta":
+                calls["stores"] = len(out.stores)
+            return out
+
+        setattr(conn, name, wrapper)
+
+    for name in ("build_connector_meta", "idle_step", "handle_preemptions", "start_load_kv",
+                 "wait_for_save", "get_finished"):  # fmt: skip
+        counted(name)
+    step = llm.engine.step
+
+    def one_step():
+        steps.append({})
+        return step()
+
+    llm.engine.step = one_step
+    try:
+        rng = random.Random(5)
+        prompts = [rand_prompt(rng, 20), rand_prompt(rng, 37)]
+        outs = run(llm, prompts, 40)
+        assert [o.outputs[0].token_ids for o in outs] == ref_tokens(reference, prompts, 40)
+        worker_side = ("handle_preemptions", "start_load_kv", "wait_for_save", "get_finished")
+        idle = [s for s in steps if s.get("idle")]
+        busy = [s for s in steps if "idle_step" in s and not s.get("idle")]
+        assert len(idle) > len(steps) // 2  # most decode steps
+        assert all(not any(m in s for m in worker_side) for s in idle)
+        assert all(all(s.get(m) == 1 for m in worker_side) for s in busy)
+        assert all(not s.get("idle") for s in steps if s.get("stores"))  # stores are issued
+        # Every chunk the prompts and outputs complete (16 tokens each) was stored.
+        stored = conn.stats().extra["stored_chunks"]
+        assert stored == sum((len(p) + 40 - 1) // 16 for p in prompts)
+    finally:
+        llm.shutdown()

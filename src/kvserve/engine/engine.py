@@ -233,8 +233,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
-        conn = self.connector
         meta = sched_out.kv_connector_metadata
+        conn = self.connector
+        if conn is not None and conn.idle_step(meta):
+            conn = None  # nothing to do this step (most decode steps): one call, not five
         if conn is not None:
             conn.handle_preemptions(sched_out.preempted_req_ids)
             conn.start_load_kv(meta)

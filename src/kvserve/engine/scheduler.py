@@ -365,7 +365,9 @@ class Scheduler:
         changed: list[Request] = self._ignored
         self._ignored = []
 
-        if self.connector is not None:
+        if self.connector is not None and (
+            mro.finished_sending or mro.finished_recving or mro.invalid_block_ids
+        ):
             self.connector.update_connector_output(
                 KVConnectorOutput(
                     finished_sending=set(mro.finished_sending),

@@ -123,6 +123,13 @@ class KVConnectorBase(ABC):
     def register_kv_caches(self, kv_caches: torch.Tensor) -> None:  # noqa: B027
         """The primary pool's KV tensor (layout in ``engine/attention``)."""
 
+    def idle_step(self, metadata: Any) -> bool:
+        """Whether this step's worker-side calls (:meth:`handle_preemptions`,
+        :meth:`start_load_kv`, :meth:`wait_for_save`, :meth:`get_finished`) have nothing to do:
+        nothing to start or store, nothing in flight. The engine then skips them (most decode
+        steps of an offloading engine). Never, unless a connector says so."""
+        return False
+
     def start_load_kv(self, metadata: Any) -> None:  # noqa: B027
         """Start this step's loads (before the forward pass)."""
 

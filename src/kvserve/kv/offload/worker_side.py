@@ -29,6 +29,12 @@ logger = logging.getLogger(__name__)
 class WorkerSide:
     """Per-step transfers and their completions (methods of the connector)."""
 
+    def idle_step(self, metadata: OffloadConnectorMetadata | None) -> bool:
+        # A forward with nothing to load or store (the shared quiet metadata), no job in
+        # flight (whose completion get_finished would apply, whose store a forward pass would
+        # hold back), no storage tier (its reads and writes are polled every step).
+        return metadata is self._quiet_meta[1] and not self._jobs and self.storage is None
+
     def start_load_kv(self, metadata: OffloadConnectorMetadata | None) -> None:
         if metadata is None or self.worker is None:
             return
