@@ -89,6 +89,9 @@ class Arm(NamedTuple):
     forward_all: bool = False  # every header to the EPP (else only those it reads)
     response_headers: str = "SEND"  # SKIP: the EPP sees the answer's end only (its trailers)
     lb_metadata: bool = False  # Envoy takes the pick's envoy.lb metadata and returns it
+    # observe: the picking filter sees the request only; a second ext_proc filter in Envoy's
+    # observability mode reports the response headers (EnvoySpec.response_path)
+    response_path: str = "exchange"
 
     def describe(self) -> str:
         served = "attribute" if self.served == "attribute" else "header"
@@ -99,6 +102,9 @@ class Arm(NamedTuple):
         if self.response_headers == "SKIP":  # (served: the pick, the only address Envoy has)
             modes += ", response headers skipped, trailers sent"
             served = "none"
+        if self.response_path == "observe":
+            modes = f"{self.mode} / NONE, response headers to an observer (observability mode)"
+            served = "header to the observer"
         return (
             f"{modes} | {self.route_cache} | served by {served}, "
             f"first address by {first} | {headers}{lb}"
@@ -114,6 +120,7 @@ class Arm(NamedTuple):
             spec.forward_headers = None
         spec.lb_metadata = self.lb_metadata
         spec.response_header_mode = self.response_headers
+        spec.response_path = self.response_path
         if self.response_headers == "SKIP":
             spec.served_header = False  # (nothing to read it)
         return spec
@@ -134,6 +141,11 @@ EPP_ARMS = {
     # where the EPP releases the count; plain Envoy serves the pick (its one address), but the
     # client gets no x-kvserve-endpoint and the EPP no status (metrics, probe on 502-504).
     "envoy_epp_trailers": Arm("BUFFERED", "NONE", response_headers="SKIP"),
+    # The response does not wait for the EPP: the picking stream sees the request only (it ends
+    # with the HTTP request: the count's release); an ext_proc filter in observability mode
+    # sends the response headers (status, served address) without waiting; the route names
+    # the endpoint (x-kvserve-endpoint) from the pick's metadata.
+    "envoy_epp_observe": Arm("BUFFERED", "NONE", response_path="observe"),
     "envoy_epp_duplex": Arm("FULL_DUPLEX_STREAMED"),
     "envoy_epp_clear": Arm("BUFFERED", route_cache="DEFAULT"),
     "envoy_epp_grpcio": Arm("BUFFERED", transport="grpcio", route_cache="DEFAULT"),
@@ -323,13 +335,16 @@ def _phases(envoys: dict[str, Envoy]) -> dict[str, dict[str, list[float]]]:
 
 
 def _ext_proc_msgs(envoy: Envoy | None) -> tuple[int, int]:
-    """Envoy's ext_proc messages sent to / received from the processor so far."""
+    """Envoy's ext_proc messages sent to / received from the processor so far (the observer
+    filter's too, where there is one: its stats are under ``ext_proc.observer.``)."""
     if envoy is None:
         return 0, 0
     st = envoy.stats("http.epp.ext_proc.")
-    return st.get("http.epp.ext_proc.stream_msgs_sent", 0), st.get(
-        "http.epp.ext_proc.stream_msgs_received", 0
-    )
+    sent = st.get("http.epp.ext_proc.stream_msgs_sent", 0)
+    received = st.get("http.epp.ext_proc.stream_msgs_received", 0)
+    sent += st.get("http.epp.ext_proc.observer.stream_msgs_sent", 0)
+    received += st.get("http.epp.ext_proc.observer.stream_msgs_received", 0)
+    return sent, received
 
 
 def _router(

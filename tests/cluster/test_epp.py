@@ -478,3 +478,150 @@ def test_no_ready_endpoint_gives_503_with_a_clear_body(stack):
     err = r.json()["error"]
     assert err["type"] == "service_unavailable" and err["message"]
     assert r.headers.get("retry-after") == "1"
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """A sample's value in Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    head = f"{name}{{{want}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(head + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_observed_responses_the_response_path_waits_for_no_epp(tmp_path):
+    """``response_path="observe"``: the picking stream sees the request only; a second ext_proc
+    filter in Envoy's observability mode reports the response headers, found by the pick's id.
+    The client gets x-kvserve-endpoint (from the pick's metadata, by Envoy) and not the served
+    address; the EPP learns the endpoint that served (its status metrics by endpoint), holds
+    the count until the answer ends (a slow answer with a length, a stream, a client gone
+    mid-stream) and releases it then; 2 messages each way on the picking stream, 1 report and
+    no answer on the observer's."""
+    with fake_backends(2) as urls:
+        grpc_port = free_port()
+        config = {"endpoints": [{"url": u, "name": f"fake-{i}"} for i, u in enumerate(urls)]}
+        spec = EnvoySpec(("127.0.0.1", grpc_port), response_path="observe")
+        with (
+            router_process(tmp_path, config, "--epp-port", str(grpc_port)) as epp,
+            Envoy(spec, tmp_path) as envoy,
+        ):
+
+            def state() -> dict[str, dict]:
+                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
+                return {e["name"]: e for e in r.json()["endpoints"]}
+
+            def in_flight() -> int:
+                return sum(e["in_flight"] for e in state().values())
+
+            def metrics() -> str:
+                return httpx.get(epp + "/metrics", timeout=10, trust_env=False).text
+
+            def settle(want: int = 0) -> None:
+                deadline = time.monotonic() + 10
+                while in_flight() != want and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert in_flight() == want
+
+            sent, received = _ext_proc_messages(envoy)
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            names = set()
+            for _ in range(4):
+                r = httpx.post(envoy.url + "/v1/completions", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+                assert "x-gateway-destination-endpoint-served" not in r.headers
+                names.add(r.headers["x-kvserve-endpoint"])
+            assert names <= {"fake-0", "fake-1"}
+            settle()
+            after = _ext_proc_messages(envoy)
+            assert (after[0] - sent, after[1] - received) == (8, 8)  # request path only
+            obs = envoy.stats("http.epp.ext_proc.observer.")
+            assert obs["http.epp.ext_proc.observer.stream_msgs_sent"] == 4
+            assert obs.get("http.epp.ext_proc.observer.stream_msgs_received", 0) == 0
+            text = metrics()  # the reports arrived, each matched to its pick
+            served = sum(
+                _metric(text, "kvserve_router_requests_total", endpoint=n, status="200")
+                for n in ("fake-0", "fake-1")
+            )
+            assert served == 4
+            assert _metric(text, "kvserve_router_routing_decisions_total", reason="failover") == 0
+
+            # A slow answer with a length holds its count until it is complete.
+            for u in urls:
+                httpx.post(u + "/_fake/config", json={"delay": 1.5})
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(
+                    httpx.post, envoy.url + "/v1/completions", json=body, timeout=30
+                )
+                time.sleep(0.8)
+                assert in_flight() == 1
+                assert answer.result(timeout=30).status_code == 200
+            settle()
+
+            # A stream holds it until its last event; a client gone mid-stream releases it.
+            for u in urls:
+                httpx.post(
+                    u + "/_fake/config", json={"delay": 0, "chunks": 20, "chunk_interval": 0.1}
+                )
+            stream = {**body, "stream": True}
+            with httpx.stream("POST", envoy.url + "/v1/completions", json=stream, timeout=30) as r:
+                assert r.headers["x-kvserve-endpoint"] in names | {"fake-0", "fake-1"}
+                assert "x-gateway-destination-endpoint-served" not in r.headers
+                pieces = r.iter_raw()
+                assert next(pieces).startswith(b"data: ")
+                assert in_flight() == 1
+                rest = b"".join(pieces)
+                assert rest.rstrip().endswith(b"data: [DONE]")
+            settle()
+            for u in urls:
+                httpx.post(u + "/_fake/config", json={"chunks": 200, "chunk_interval": 0.05})
+            with httpx.stream("POST", envoy.url + "/v1/completions", json=stream, timeout=30) as r:
+                pieces = r.iter_raw()  # (alive: a dropped iterator closes the response)
+                assert next(pieces).startswith(b"data: ")
+                assert in_flight() == 1
+            settle()  # the client went away 10 s before the stream's end
+            deadline = time.monotonic() + 10  # the observer streams close 1 s after theirs
+            while "kvserve_router_epp_streams 0.0" not in metrics():
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+
+def test_observed_responses_envoys_own_5xx_probes_the_endpoint(tmp_path):
+    """Observe mode: an engine that stops accepting connections between health checks (here
+    a minute apart) is out as soon as Envoy answers 503 itself: the observer's report (Envoy's
+    status, no served address) makes the EPP check it now. The client's 503 carries no
+    served address."""
+    with fake_backends(1) as live, contextlib.ExitStack() as victim_stack:
+        victim = victim_stack.enter_context(fake_backends(1))
+        grpc_port = free_port()
+        config = {
+            "endpoints": [{"url": victim[0], "name": "victim"}, {"url": live[0], "name": "live"}],
+            "health": {"interval_s": 60, "unhealthy_after": 1},  # (one probe: out)
+        }
+        spec = EnvoySpec(("127.0.0.1", grpc_port), response_path="observe")
+        with (
+            router_process(tmp_path, config, "--epp-port", str(grpc_port)) as epp,
+            Envoy(spec, tmp_path) as envoy,
+        ):
+
+            def healthy() -> dict[str, bool]:
+                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
+                return {e["name"]: e["healthy"] for e in r.json()["endpoints"]}
+
+            assert healthy() == {"victim": True, "live": True}
+            victim_stack.close()  # its process is gone: connections refused
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+            statuses = []
+            for _ in range(8):  # until the pick is the victim (load spreads the picks)
+                r = httpx.post(envoy.url + "/v1/completions", json=body, timeout=30)
+                statuses.append(r.status_code)
+                assert "x-gateway-destination-endpoint-served" not in r.headers
+                if r.status_code == 503:
+                    break
+            assert statuses[-1] == 503, statuses
+            deadline = time.monotonic() + 5  # (the next health round: a minute away)
+            while healthy()["victim"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert healthy() == {"victim": False, "live": True}
+            r = httpx.post(envoy.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.headers["x-kvserve-endpoint"] == "live"

@@ -24,12 +24,14 @@ from kvserve.cluster.epp.processor import (
     FIRST_DESTINATION_HEADER,
     FULL_DUPLEX,
     LB_NAMESPACE,
+    OBSERVER_NAMESPACE,
     REQUEST_HEADERS_READ,
     RESPONSE_HEADERS_READ,
     SERVED_KEY,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
     ExtProcStream,
+    Observers,
 )
 from kvserve.cluster.epp.server import EndpointPicker
 from kvserve.cluster.gateway import Router
@@ -297,3 +299,110 @@ def test_gateways_forward_only_the_headers_the_epp_reads():
     assert forwarded(bootstrap(EnvoySpec(("127.0.0.1", 9002)), 1, 2, 3)) == reads
     overlay = Path(__file__).parents[2] / "deploy/overlays/envoy-gateway/envoy.yaml"
     assert forwarded(yaml.safe_load(overlay.read_text())) == reads
+
+
+def _report(key: str, status: int = 200, served: str | None = None) -> pb.ProcessingRequest:
+    """An observer stream's message (Envoy's observability mode): the response headers, with
+    the pick's ``kvserve`` metadata and the served-address header when ``served``."""
+    hs = [(":status", str(status).encode()), ("content-type", b"text/event-stream")]
+    hs += [(SERVED_KEY, served.encode())] if served else []
+    msg = pb.ProcessingRequest(
+        response_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in hs]
+            )
+        ),
+        observability_mode=True,
+    )
+    ns = struct_pb2.Struct()
+    ns.update({"id": key, "endpoint": "whatever"})
+    msg.metadata_context.filter_metadata[OBSERVER_NAMESPACE].CopyFrom(ns)
+    return msg
+
+
+def _metric(epp: EndpointPicker, name: str, **labels: str) -> float:
+    return epp.core.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_an_observed_pick_carries_its_id_and_the_report_moves_its_count():
+    """Observe mode: the pick's answer also carries the ``kvserve`` metadata (its id, the first
+    endpoint's name, for the route's x-kvserve-endpoint) on top of the cached pick; the
+    observer stream's report (answered with nothing) finds the pick by that id, moves the
+    count to the endpoint that served, counts its status there; the picking stream's end
+    releases it; a second report of the same id, or one of an unknown id, changes nothing."""
+
+    async def run() -> None:
+        epp = _picker()
+        s = ExtProcStream(epp, observed=True)
+        await _handle(s, _headers(mode=BUFFERED))
+        out = await _handle(s, _body(BODY, True))
+        first, second = _destination(out).split(",")
+        meta = out[0].dynamic_metadata.fields[OBSERVER_NAMESPACE].struct_value.fields
+        picked, other = epp.endpoint_at(first), epp.endpoint_at(second)
+        assert meta["endpoint"].string_value == picked.name
+        key = meta["id"].string_value
+        assert len(key) == 16 and epp.observers.waiting[key] is s
+        s2 = ExtProcStream(epp, observed=True)  # the next pick: another id, same cached pick
+        await _handle(s2, _headers(mode=BUFFERED))
+        meta2 = (await _handle(s2, _body(BODY, True)))[0].dynamic_metadata.fields
+        key2 = meta2[OBSERVER_NAMESPACE].struct_value.fields["id"].string_value
+        assert key2 != key
+        s2.on_end()  # (never reported: kept a while)
+        assert (picked.in_flight, other.in_flight) == (1, 0)
+        observer = ExtProcStream(epp)
+        assert await _handle(observer, _report(key, served=second)) == []  # no answer
+        assert (picked.in_flight, other.in_flight) == (0, 1)  # it went to the fallback
+        assert _metric(epp, "kvserve_router_routing_decisions_total", reason="failover") == 1
+        await asyncio.sleep(0)  # (bookkeeping after the answers)
+        assert _metric(epp, "kvserve_router_requests_total", endpoint=other.name, status="200") == 1
+        assert await _handle(observer, _report(key, served=first)) == []  # taken: ignored
+        assert await _handle(observer, _report("0" * 16, served=first)) == []
+        assert (picked.in_flight, other.in_flight) == (0, 1)
+        s.on_end()  # Envoy ends the picking stream with the HTTP request
+        assert (picked.in_flight, other.in_flight) == (0, 0)
+        assert list(epp.observers.waiting) == [key2]
+
+    asyncio.run(run())
+
+
+def test_a_report_after_the_picking_streams_end_still_counts():
+    """The report may come after the picking stream ended (a short answer: Envoy ends that
+    stream as the answer completes, the observer's opens as its headers pass): the pick is
+    kept a while for it, and its status still counts (the probe after Envoy's own 502-504,
+    which needs a live pool, is in test_epp.py)."""
+
+    async def run() -> None:
+        epp = _picker()
+        s = ExtProcStream(epp, observed=True)
+        await _handle(s, _headers(mode=BUFFERED))
+        out = await _handle(s, _body(BODY, True))
+        first = epp.endpoint_at(_destination(out).split(",")[0])
+        key = out[0].dynamic_metadata.fields[OBSERVER_NAMESPACE].struct_value.fields["id"]
+        s.on_end()
+        assert first.in_flight == 0 and key.string_value in epp.observers.waiting
+        assert await _handle(ExtProcStream(epp), _report(key.string_value, 429)) == []
+        await asyncio.sleep(0)
+        assert _metric(epp, "kvserve_router_requests_total", endpoint=first.name, status="429")
+        assert first.in_flight == 0 and not epp.observers.waiting
+
+    asyncio.run(run())
+
+
+def test_observers_forget_picks_never_reported():
+    """A pick whose report never comes (another EPP's observer, an Envoy without one) is
+    forgotten ``linger_s`` after its request ended; at most ``max_waiting`` are kept."""
+    epp = _picker()
+    table = Observers(linger_s=0.0, max_waiting=3)
+    streams = [ExtProcStream(epp) for _ in range(5)]
+    keys = [table.register(st, "a")[0] for st in streams]
+    assert list(table.waiting) == keys[2:]  # the oldest gave way
+    table.ended(keys[2])
+    table.ended(keys[3])  # (each end forgets what is due)
+    assert list(table.waiting) == [keys[4]]
+    assert table.claim(keys[4]) is streams[4] and table.claim(keys[4]) is None
+    # The metadata is the same however it is built (a name holding the id's placeholder).
+    for name in ("a", "\x7f" * 20):
+        key, raw = table.register(streams[0], name)
+        ns = pb.ProcessingResponse.FromString(raw).dynamic_metadata.fields[OBSERVER_NAMESPACE]
+        assert ns.struct_value.fields["id"].string_value == key
+        assert ns.struct_value.fields["endpoint"].string_value == name

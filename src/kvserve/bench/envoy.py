@@ -9,7 +9,12 @@ without Kubernetes: a static bootstrap with
   header says (the first address of its ordered fallback list
   ``x-gateway-destination-endpoint``: plain Envoy takes one address and walks no list); the
   route adds ``x-gateway-destination-endpoint-served`` (the upstream's address) to the
-  response, where the EPP learns which endpoint served and removes it;
+  response, where the EPP learns which endpoint served and removes it; with
+  ``response_path="observe"`` the response does not wait for the EPP: the picking filter sees
+  the request only, a second ``ext_proc`` filter in ``observability_mode`` reports the
+  response headers to the EPP without waiting, the route names the endpoint to the client
+  (``x-kvserve-endpoint`` from the pick's ``kvserve`` metadata) and a ``header_mutation``
+  filter, the encode path's last, removes the served address the observer read;
 - listener ``direct_port`` (when ``direct_upstream`` is given): the same connection manager
   without ``ext_proc``, to a fixed upstream (the baseline of the added-latency benchmark);
 - an admin listener (``/ready``, ``/stats``).
@@ -40,6 +45,12 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 FIRST_DESTINATION_HEADER = "x-kvserve-destination-endpoint"  # the EPP's first address alone
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
+ENDPOINT_HEADER = "x-kvserve-endpoint"  # to the client: who served (the HTTP router's header)
+# Observed responses (kvserve.cluster.epp.processor): the picking stream's gRPC metadata, the
+# pick's metadata namespace (its id and first endpoint's name) returned on the observer stream
+OBSERVED_METADATA = "x-kvserve-observed"
+OBSERVER_NAMESPACE = "kvserve"
+RESPONSE_PATHS = ("exchange", "trailers", "observe")
 # The headers the EPP reads (kvserve.cluster.epp.processor's REQUEST_HEADERS_READ, the
 # router's default session header, RESPONSE_HEADERS_READ): Envoy sends it no others
 EPP_HEADERS = (":path", "authorization", "x-session-id", ":status", "content-length",
@@ -88,6 +99,16 @@ class EnvoySpec:
     # end the stream at the response headers).
     response_body_mode: str = "STREAMED"
     response_header_mode: str = "SEND"  # where the EPP learns the served endpoint
+    # How the response reaches the EPP: "exchange" (the modes above: with response headers
+    # SEND, the EPP answers them before the client gets them, naming the endpoint and
+    # removing the served address); "trailers" (response headers SKIP, body NONE: only the
+    # answer's end, 2 messages each way, nothing learnt of the response); "observe" (the
+    # picking filter sees the request only and its stream ends with the HTTP request; a
+    # second ext_proc filter in observability_mode sends the response headers without
+    # waiting; the route names the endpoint from the pick's metadata; a header_mutation
+    # filter removes the served address after the observer read it).
+    response_path: str = "exchange"
+    observer_close_s: float = 1.0  # observe: deferred_close_timeout of the observer streams
     failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
     message_timeout_s: float = 10.0  # per ext_proc message (a loaded CI box tokenizes slowly)
     direct_upstream: tuple[str, int] | None = None  # a listener without ext_proc, to here
@@ -272,8 +293,58 @@ end
 """
 
 
+def _observer(spec: EnvoySpec) -> dict[str, Any]:
+    """The ext_proc filter that reports the response headers to the EPP in observability mode
+    (sent without waiting, answers ignored) with the pick's metadata (its id there)."""
+    forwarding = [OBSERVER_NAMESPACE, "envoy.lb"] if spec.lb_metadata else [OBSERVER_NAMESPACE]
+    config: dict[str, Any] = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
+        "observability_mode": True,
+        "deferred_close_timeout": f"{spec.observer_close_s}s",
+        "failure_mode_allow": True,  # a report lost never fails a request
+        "stat_prefix": "observer",
+        "processing_mode": {
+            "request_header_mode": "SKIP",
+            "response_header_mode": "SEND",
+            "request_body_mode": "NONE",
+            "response_body_mode": "NONE",
+            "request_trailer_mode": "SKIP",
+            "response_trailer_mode": "SKIP",
+        },
+        "metadata_options": {"forwarding_namespaces": {"untyped": forwarding}},
+        **({"response_attributes": ["upstream.address"]} if spec.served_attribute else {}),
+    }
+    if spec.forward_headers is not None:
+        config["forward_rules"] = {
+            "allowed_headers": {"patterns": [{"exact": h} for h in spec.forward_headers]}
+        }
+    return {"name": "kvserve.response_observer", "typed_config": config}
+
+
+# Observe: the served address is for the EPP's observer; removed after it (encoder filters run
+# in reverse order: the first filter of the chain is the last to see the response)
+_STRIP_SERVED = {
+    "name": "envoy.filters.http.header_mutation",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3"
+        ".HeaderMutation",
+        "mutations": {"response_mutations": [{"remove": SERVED_HEADER}]},
+    },
+}
+
+
 def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> dict[str, Any]:
     """Envoy's static bootstrap for ``spec`` (listeners on the given ports)."""
+    if spec.response_path not in RESPONSE_PATHS:
+        raise ValueError(f"response_path must be one of {RESPONSE_PATHS}")
+    observe = spec.response_path == "observe"
+    response_headers, response_body = spec.response_header_mode, spec.response_body_mode
+    if spec.response_path != "exchange":  # the picking stream sees none of the response
+        response_headers, response_body = "SKIP", "NONE"
+    receiving = ["envoy.lb"] if spec.lb_metadata else []
+    if observe:
+        receiving.append(OBSERVER_NAMESPACE)
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -284,13 +355,16 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
             "message_timeout": f"{spec.message_timeout_s}s",
             "processing_mode": {
                 "request_header_mode": "SEND",
-                "response_header_mode": spec.response_header_mode,
+                "response_header_mode": response_headers,
                 "request_body_mode": spec.request_body_mode,
-                "response_body_mode": spec.response_body_mode,
+                "response_body_mode": response_body,
                 "request_trailer_mode": "SEND"
                 if spec.request_body_mode == "FULL_DUPLEX_STREAMED"
                 else "SKIP",
-                "response_trailer_mode": "SEND" if spec.response_body_mode == "NONE" else "SKIP",
+                # (observe: the stream ends with the HTTP request without them)
+                "response_trailer_mode": "SEND"
+                if response_body == "NONE" and not observe
+                else "SKIP",
             },
             # The EPP skips the body of answers that come with a length (finished requests).
             "allow_mode_override": spec.allow_mode_override,
@@ -301,13 +375,21 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
                     if spec.lb_metadata
                     else ["envoy.lb.subset_hint"]
                 },
-                "receiving_namespaces": {"untyped": ["envoy.lb"] if spec.lb_metadata else []},
+                "receiving_namespaces": {"untyped": receiving},
             },
             # STREAMED: the body reaches the EPP while the headers wait for the pick
             "send_body_without_waiting_for_header_response": spec.request_body_mode == "STREAMED",
-            **({"response_attributes": ["upstream.address"]} if spec.served_attribute else {}),
+            **(
+                {"response_attributes": ["upstream.address"]}
+                if spec.served_attribute and not observe
+                else {}
+            ),
         },
     }
+    if observe:  # the EPP keeps the pick for the observer's report
+        ext_proc["typed_config"]["grpc_service"]["initial_metadata"] = [
+            {"key": OBSERVED_METADATA, "value": "1"}
+        ]
     if spec.forward_headers is not None:
         ext_proc["typed_config"]["forward_rules"] = {
             "allowed_headers": {"patterns": [{"exact": h} for h in spec.forward_headers]}
@@ -356,8 +438,17 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
     filters = [subset_hint] if spec.subset_hint_header else []
     log = spec.access_log
     after = [first_destination] if spec.first_destination_lua else []
-    served = {SERVED_HEADER: "%UPSTREAM_REMOTE_ADDRESS%"} if spec.served_header else None
-    listeners = [_listener("epp", port, "pool", [*filters, ext_proc, *after], log, served)]
+    served = {SERVED_HEADER: "%UPSTREAM_REMOTE_ADDRESS%"} if spec.served_header else {}
+    if spec.response_path == "trailers":
+        served = {}  # (nothing reads it)
+    if observe:
+        # The client learns the endpoint from the pick's metadata (Envoy omits the header
+        # where there is none: the EPP's own answers); the observer reads the served address
+        served[ENDPOINT_HEADER] = f"%DYNAMIC_METADATA({OBSERVER_NAMESPACE}:endpoint)%"
+        filters = [*([_STRIP_SERVED] if spec.served_header else []), *filters]
+        after = [_observer(spec), *after]
+    chain = [*filters, ext_proc, *after]
+    listeners = [_listener("epp", port, "pool", chain, log, served or None)]
     clusters = [pool, _static_cluster("epp", epp_host, epp_port, http2=True)]
     if spec.direct_upstream is not None:
         listeners.append(_listener("direct", direct_port, "direct", [], log))

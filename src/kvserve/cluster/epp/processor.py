@@ -36,6 +36,19 @@ or at its last chunk where the body still comes through (FULL_DUPLEX_STREAMED); 
 first. Envoy is asked to skip the response body (``mode_override``): the events of a stream
 are not held for an answer of the EPP each.
 
+Observed responses (a gateway that must not wait for the EPP on the response path): the
+picking stream sees only the request (its gRPC metadata ``x-kvserve-observed``) and holds the
+pick's in-flight count until Envoy ends it with the HTTP request; its pick also carries the
+dynamic metadata ``kvserve`` = {``id``: a key of this EPP's, ``endpoint``: the first
+endpoint's name} (Envoy's route can name the endpoint to the client from it). A second ext_proc
+filter in Envoy's ``observability_mode`` (it sends, never waits, ignores answers) reports the
+response headers with that metadata on a stream of their own: the EPP finds the pick by the
+id (:class:`Observers`: picks whose report has not come, each kept a while after its
+request ended, since the report may arrive after the picking stream's end) and learns from it
+what it learns from response headers otherwise (the served endpoint, status and first-byte
+metrics, the probe after Envoy's own 502-504). It answers nothing on that stream. Both
+streams of a request must reach the same EPP (one address: the Service's, not a pod list).
+
 Cost per request (the transport hands each message over in the loop turn it arrives in):
 :meth:`ExtProcStream.handle` answers synchronously unless the pick must wait (a long prompt
 tokenized off the loop), and the answers that recur are serialized once (``bytes``): the
@@ -47,6 +60,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -80,6 +94,11 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 ENDPOINT_RESPONSE_HEADER = "x-kvserve-endpoint"  # who served it, as the HTTP router says
+# Observed responses: the picking stream's gRPC metadata, and the pick's dynamic metadata
+# (namespace: {"id": key of the pick, "endpoint": its first endpoint's name}) that Envoy returns
+# with the observer stream's messages
+OBSERVED_METADATA = "x-kvserve-observed"
+OBSERVER_NAMESPACE = "kvserve"
 # The headers the EPP reads, of a request (besides the router's session header) and of an
 # answer: a gateway may send it only these (Envoy's ext_proc ``forward_rules``).
 REQUEST_HEADERS_READ = (":path", "authorization")
@@ -222,6 +241,75 @@ def _served_answer(name: str | None, skip_body: bool, strip: bool = False) -> by
     return answer
 
 
+_ID_WIDTH = 16  # an observed pick's id: hex digits of a counter, fixed width
+_ID_PLACEHOLDER = "\x7f" * _ID_WIDTH
+
+
+def _observed_template(name: str) -> tuple[bytes, bytes] | None:
+    """The serialized ``dynamic_metadata`` of an observed pick of ``name`` around its id
+    (prefix, suffix); appended to the pick's answer (protobuf merges the two messages' metadata).
+    None when the placeholder is not found once (a name containing it: built per request)."""
+    raw = _observed_metadata(name, _ID_PLACEHOLDER)
+    mark = _ID_PLACEHOLDER.encode()
+    if raw.count(mark) != 1:
+        return None
+    i = raw.index(mark)
+    return raw[:i], raw[i + _ID_WIDTH :]
+
+
+def _observed_metadata(name: str, key: str) -> bytes:
+    out = pb.ProcessingResponse()
+    ns = out.dynamic_metadata.fields[OBSERVER_NAMESPACE].struct_value.fields
+    ns["endpoint"].string_value = name
+    ns["id"].string_value = key
+    return out.SerializeToString()
+
+
+class Observers:
+    """Observed picks whose response report has not come yet, by id: each from its pick until
+    the observer stream reports it, or ``linger_s`` after its request ended (the report may
+    come just after the picking stream's end, or never: another EPP's observer, an Envoy
+    without one); at most ``max_waiting`` (the oldest give way)."""
+
+    def __init__(self, linger_s: float = 10.0, max_waiting: int = 1 << 16) -> None:
+        self.linger_s = linger_s
+        self.max_waiting = max_waiting
+        self.waiting: dict[str, ExtProcStream] = {}
+        self._ended: deque[tuple[float, str]] = deque()  # (when to forget, id), in order
+        self._count = 0
+        self._templates: dict[str, tuple[bytes, bytes] | None] = {}
+
+    def register(self, stream: ExtProcStream, name: str) -> tuple[str, bytes]:
+        """A new id for ``stream``'s pick of ``name`` and the metadata its answer carries."""
+        self._count += 1
+        key = f"{self._count:0{_ID_WIDTH}x}"
+        waiting = self.waiting
+        if len(waiting) >= self.max_waiting:
+            del waiting[next(iter(waiting))]
+        waiting[key] = stream
+        template = self._templates.get(name, False)
+        if template is False:
+            if len(self._templates) >= _PICK_CACHE_SIZE:
+                self._templates.clear()
+            template = self._templates[name] = _observed_template(name)
+        if template is None:
+            return key, _observed_metadata(name, key)
+        return key, template[0] + key.encode() + template[1]
+
+    def ended(self, key: str) -> None:
+        """The pick's request is over: forget it ``linger_s`` from now, unless reported."""
+        now = time.monotonic()
+        ended = self._ended
+        ended.append((now + self.linger_s, key))
+        waiting = self.waiting
+        while ended and ended[0][0] <= now:
+            waiting.pop(ended.popleft()[1], None)
+
+    def claim(self, key: str) -> ExtProcStream | None:
+        """The picking stream of ``key`` (once: its report is taken)."""
+        return self.waiting.pop(key, None)
+
+
 def _then(pending: Awaitable[T], fn: Callable[[T], R]) -> Awaitable[R]:
     async def run() -> R:
         return fn(await pending)
@@ -238,9 +326,14 @@ class ExtProcStream:
     """The state of one ``Process`` stream (one HTTP request through Envoy); on the in-loop
     transport, the call's :class:`~kvserve.cluster.epp.grpc_server.StreamHandler`."""
 
-    def __init__(self, epp: EndpointPicker, call: Call | None = None) -> None:
+    def __init__(
+        self, epp: EndpointPicker, call: Call | None = None, observed: bool = False
+    ) -> None:
         self.epp = epp
         self.call = call
+        self.observed = observed  # an observer stream reports the response (not this one)
+        self.observed_key: str | None = None  # the pick's id there
+        self.extra = b""  # appended to the pick's answer: its observed metadata
         self.request_mode = BUFFERED  # assumed when Envoy sends no protocol_config
         self.response_mode = NONE
         self.body_early = False  # send_body_without_waiting_for_header_response
@@ -252,6 +345,7 @@ class ExtProcStream:
         self.picked = False
         self.req: RoutingRequest | None = None
         self.counted: Endpoint | None = None  # holds one in-flight count of it
+        self.first: Endpoint | None = None  # the pick (then the endpoint that served)
         self.t_pick = 0.0
         self.partial = False  # the body the pick sees is cut short (BUFFERED_PARTIAL)
         self.subset: set[str] | None = None  # the gateway's subset hint, when it gave one
@@ -275,6 +369,8 @@ class ExtProcStream:
     def on_end(self) -> None:
         self.release()
         self.epp.streams -= 1
+        if self.observed_key is not None:
+            self.epp.observers.ended(self.observed_key)
 
     def _later(self, fn: Callable[..., object], *args: Any) -> None:
         """Work Envoy does not wait for (routing history, metrics): after this message's
@@ -311,6 +407,8 @@ class ExtProcStream:
                 return _then(out, lambda answers: [*answers, _REQUEST_TRAILERS_CONTINUE])
             return [*out, _REQUEST_TRAILERS_CONTINUE]  # type: ignore[misc]
         if kind == "response_headers":
+            if msg.observability_mode:  # the observer stream's report of a response
+                return self._observe(msg)
             return self._response_headers(msg)
         if kind == "response_body":
             return self._response_body(msg.response_body)
@@ -355,6 +453,8 @@ class ExtProcStream:
         if type(result) is not Pick:
             return [result]
         self.headers_answered = True
+        if self.extra:
+            return [result.headers_response + self.extra]
         return [result.headers_response]
 
     def _request_body(self, msg: pb.ProcessingRequest) -> list[Answer] | Awaitable[list[Answer]]:
@@ -392,9 +492,11 @@ class ExtProcStream:
         if type(result) is not Pick:
             return [result]
         if self.headers_answered:  # BUFFERED: the headers are still held; mutate them now
+            if self.extra:
+                return [result.body_response + self.extra]
             return [result.body_response]
         self.headers_answered = True
-        out = [result.headers_response]
+        out = [result.headers_response + self.extra if self.extra else result.headers_response]
         if self.request_mode == FULL_DUPLEX:
             out += _echo(data, end_of_stream, request=True)
         else:  # STREAMED: continue every chunk as it came
@@ -491,7 +593,9 @@ class ExtProcStream:
             )
         first = ranked[0]
         first.in_flight += 1
-        self.counted = first
+        self.counted = self.first = first
+        if self.observed:
+            self.observed_key, self.extra = epp.observers.register(self, first.name)
         self.req = req
         self.t_pick = t = time.perf_counter()
         self._later(_observe_pick, core, req, first, decision.reason, t - t0)
@@ -501,31 +605,8 @@ class ExtProcStream:
     # ------------------------------------------------------------------ response path
 
     def _response_headers(self, msg: pb.ProcessingRequest) -> list[Answer]:
-        status, length, event_stream, header = 0, False, False, None
-        for h in msg.response_headers.headers.headers:
-            key = h.key
-            if key == ":status":
-                status = int((h.raw_value or h.value.encode()).decode() or 0)
-            elif key == "content-length":
-                length = True
-            elif key == "content-type":
-                event_stream = (h.raw_value or h.value.encode()).startswith(b"text/event-stream")
-            elif key == SERVED_KEY:
-                header = (h.raw_value or h.value.encode()).decode("latin-1")
-        core = self.epp.core
-        served = self._learn_served(msg, header)
-        if served is None and self.counted is not None:
-            if status in (502, 503, 504):
-                # No upstream answered (Envoy's own reply: refused, reset): check it now.
-                core.pool.probe_soon(self.counted)
-            elif header is None and not self._reported(msg):
-                served = self.counted  # the gateway reports nothing: assume the pick served
-        name = None
-        if served is not None:
-            name = served.name
-            served.answered_at = time.monotonic()
-            first_byte = time.perf_counter() - self.t_pick
-            self._later(_observe_served, core.metrics, name, status, first_byte)
+        status, length, event_stream, header = _read_response_headers(msg)
+        name = self._answered(msg, status, header, self._later)
         if msg.response_headers.end_of_stream or (length and not event_stream):
             # An answer with a length comes from an engine that has finished the request.
             self.release()
@@ -536,6 +617,43 @@ class ExtProcStream:
         # stream, where Envoy honours it (its counters show the body still comes with a
         # FULL_DUPLEX_STREAMED request: it is continued).
         return [_served_answer(name, self.response_mode != NONE, header is not None)]
+
+    def _observe(self, msg: pb.ProcessingRequest) -> list[Answer]:
+        """An observer stream's response headers (nothing is answered: Envoy does not wait):
+        the picking stream of the id they carry learns from them; its count stays with it
+        (released when Envoy ends that stream, with the HTTP request)."""
+        ns = msg.metadata_context.filter_metadata.get(OBSERVER_NAMESPACE)
+        key = ns.fields.get("id") if ns is not None else None
+        picker = None if key is None else self.epp.observers.claim(key.string_value)
+        if picker is not None:  # (else another EPP's pick, or one long over)
+            status, _, _, header = _read_response_headers(msg)
+            picker._answered(msg, status, header, self._later)
+        return []
+
+    def _answered(
+        self,
+        msg: pb.ProcessingRequest,
+        status: int,
+        header: str | None,
+        later: Callable[..., None],
+    ) -> str | None:
+        """What response headers teach: the endpoint that served (its name, or None), its
+        status and first-byte metrics, a probe of the pick when Envoy answered 502-504 itself;
+        ``later``: how bookkeeping is run after the answers (the stream that got them)."""
+        core = self.epp.core
+        served = self._learn_served(msg, header, later)
+        if served is None and self.first is not None:
+            if status in (502, 503, 504):
+                # No upstream answered (Envoy's own reply: refused, reset): check it now.
+                core.pool.probe_soon(self.first)
+            elif header is None and not self._reported(msg):
+                served = self.first  # the gateway reports nothing: assume the pick served
+        if served is None:
+            return None
+        served.answered_at = time.monotonic()
+        first_byte = time.perf_counter() - self.t_pick
+        later(_observe_served, core.metrics, served.name, status, first_byte)
+        return served.name
 
     @staticmethod
     def _served_address(msg: pb.ProcessingRequest, header: str | None = None) -> str:
@@ -557,23 +675,29 @@ class ExtProcStream:
         return (lb is not None and SERVED_KEY in lb.fields) or _EXT_PROC_ATTRS in msg.attributes
 
     def _learn_served(
-        self, msg: pb.ProcessingRequest, header: str | None = None
+        self,
+        msg: pb.ProcessingRequest,
+        header: str | None,
+        later: Callable[..., None],
     ) -> Endpoint | None:
         """The endpoint that served the request, if reported (the in-flight count moves
-        there when it is not the pick); ``header``: the gateway's served-address header."""
+        there when it is not the pick, if still held); ``header``: the gateway's
+        served-address header."""
         address = self._served_address(msg, header)
         if not address:
             return None
         served = self.epp.endpoint_at(address)
-        if served is None or self.counted is None:
+        if served is None or self.first is None:
             return served
-        if served is not self.counted:  # Envoy went elsewhere (a fallback): follow it
-            self.counted.in_flight -= 1
-            served.in_flight += 1
-            self.counted = served
+        if served is not self.first:  # Envoy went elsewhere (a fallback): follow it
+            if self.counted is not None:
+                self.counted.in_flight -= 1
+                served.in_flight += 1
+                self.counted = served
+            self.first = served
             self.epp.core.metrics.decisions_of("failover").inc()
             if self.req is not None:
-                self._later(self.epp.core.scheduler.observe, self.req, served)
+                later(self.epp.core.scheduler.observe, self.req, served)
         return served
 
     def _response_body(self, b: pb.HttpBody) -> list[Answer]:
@@ -590,6 +714,22 @@ class ExtProcStream:
             ep.in_flight -= 1
             latency = self.epp.core.metrics.latency_of(ep.name)
             self._later(latency.observe, time.perf_counter() - self.t_pick)
+
+
+def _read_response_headers(msg: pb.ProcessingRequest) -> tuple[int, bool, bool, str | None]:
+    """(status, has a content-length, is an event stream, the served-address header)."""
+    status, length, event_stream, header = 0, False, False, None
+    for h in msg.response_headers.headers.headers:
+        key = h.key
+        if key == ":status":
+            status = int((h.raw_value or h.value.encode()).decode() or 0)
+        elif key == "content-length":
+            length = True
+        elif key == "content-type":
+            event_stream = (h.raw_value or h.value.encode()).startswith(b"text/event-stream")
+        elif key == SERVED_KEY:
+            header = (h.raw_value or h.value.encode()).decode("latin-1")
+    return status, length, event_stream, header
 
 
 def _observe_pick(
