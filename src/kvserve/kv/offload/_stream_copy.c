@@ -1,4 +1,4 @@
-/* Host-to-host KV block copies with non-temporal stores (the one native piece of kvserve).
+/* Host-to-host KV block copies with non-temporal stores, and the store lane that runs them.
  *
  * copy_segments(src, dst, segments, nontemporal) copies byte ranges of the buffer ``src`` into
  * the writable buffer ``dst``; ``segments`` is a C-contiguous int64 buffer of (source offset,
