@@ -92,23 +92,26 @@ class EnvoySpec:
     # the pick instead of two, but 4 messages each way and no faster) and
     # FULL_DUPLEX_STREAMED (the body echoed back) work too.
     request_body_mode: str = "BUFFERED"
-    # STREAMED: the EPP sees the response headers and skips the body by a mode override where
-    # Envoy honours one (BUFFERED requests). NONE: bodies never pass through the EPP; response
-    # trailers are then asked for, which keeps the ext_proc stream open until the response
-    # ends (an event stream's count is released then; with nothing left to send, Envoy would
-    # end the stream at the response headers).
+    # (response_path "exchange" only) STREAMED: the EPP sees the response headers and skips
+    # the body by a mode override where Envoy honours one (BUFFERED requests). NONE: bodies
+    # never pass through the EPP; response trailers are then asked for, which keeps the
+    # ext_proc stream open until the response ends (an event stream's count is released then;
+    # with nothing left to send, Envoy would end the stream at the response headers).
     response_body_mode: str = "STREAMED"
     response_header_mode: str = "SEND"  # where the EPP learns the served endpoint
-    # How the response reaches the EPP: "exchange" (the modes above: with response headers
-    # SEND, the EPP answers them before the client gets them, naming the endpoint and
-    # removing the served address); "trailers" (response headers SKIP, body NONE: only the
-    # answer's end, 2 messages each way, nothing learnt of the response); "observe" (the
-    # picking filter sees the request only and its stream ends with the HTTP request; a
-    # second ext_proc filter in observability_mode sends the response headers without
-    # waiting; the route names the endpoint from the pick's metadata; a header_mutation
-    # filter removes the served address after the observer read it).
-    response_path: str = "exchange"
-    observer_close_s: float = 1.0  # observe: deferred_close_timeout of the observer streams
+    # How the response reaches the EPP: "observe" (the picking filter sees the request only
+    # and its stream ends with the HTTP request; a second ext_proc filter in
+    # observability_mode sends the response headers without waiting; the route names the
+    # endpoint from the pick's metadata; a header_mutation filter removes the served address
+    # after the observer read it): no wait for the EPP on the response path (Envoy's
+    # upstream-in to downstream-out p99 0.31-0.36 ms, 1.9-6.5 ms with the exchange:
+    # benchmarks/results/epp_2026-12-02h.md, -02i.md, -02j.md). "exchange" (the modes
+    # above: with response headers SEND, the EPP answers them before the client gets them,
+    # naming the endpoint and removing the served address); "trailers" (response headers
+    # SKIP, body NONE: only the answer's end, 2 messages each way, nothing learnt of it).
+    response_path: str = "observe"
+    # observe: the observer streams' deferred_close_timeout (the EPP ends each at its report)
+    observer_close_s: float = 1.0
     failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
     message_timeout_s: float = 10.0  # per ext_proc message (a loaded CI box tokenizes slowly)
     direct_upstream: tuple[str, int] | None = None  # a listener without ext_proc, to here
