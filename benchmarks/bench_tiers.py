@@ -25,7 +25,8 @@ Five measurements (issue 11), each a ratio against a baseline measured in the sa
    prompts prefill, every chunk cascaded); (b) a heavy stream: a decode batch while a feeder
    thread keeps the storage worker's write queue full of unique chunks. Writes in the
    engine's writer process (the default) and, for comparison, in writer threads of the
-   engine's process. Goal >= 0.97.
+   engine's process. Goal >= 0.97. 4v: the server's side of such a stream (page faults and
+   CPU per stored chunk while it fills, then evicts), by allocator setting.
 5. Prefill throughput vs hit rate, working set 4x the host tier (disk tier on / off, one
    engine, the disk tier detached for "off"): a warm-up stores every working-set prompt; each
    measured batch mixes re-used working-set prompts and fresh ones. Plotted to PNG.
@@ -519,7 +520,9 @@ class Setup:
         base = Path(args.tier_dir) if args.tier_dir else Path("/var/tmp")
         base.mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix="kvserve-bench-tiers-", dir=base))
-        self.redis = RedisServer(maxmemory=args.redis_maxmemory)
+        self.redis = RedisServer(
+            maxmemory=args.redis_maxmemory, reuse_freed_memory=not args.redis_malloc_defaults
+        )
         self.redis.start()
         probe = LLM(model=self.model, num_kv_blocks=8)
         self.vocab = probe.get_tokenizer().vocab_size
@@ -1403,6 +1406,104 @@ def bench_write_cost(st: Setup, args, progress) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------ 4v
+def _proc_faults_cpu(pid: int) -> tuple[int, float]:
+    """(minor page faults, CPU seconds) of process ``pid`` so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_valkey_memory(st: Setup, args, progress) -> dict:
+    """Measurement 4v: what a Redis-compatible server spends per stored chunk while the redis
+    tier writes a stream into it, by phase: filling to ``maxmemory``, the first ``maxmemory``
+    of values evicting older ones, the next ``maxmemory`` (steady). Arms, each a fresh server
+    of its own, interleaved rounds with the order rotating: ``reuse`` (the launcher's default:
+    glibc's malloc told to keep evicted values' memory for the next ones) and
+    ``glibc-defaults`` (its dynamic mmap threshold: values mmapped and unmapped). Reported per
+    phase: the server's minor page faults and CPU milliseconds per chunk."""
+    from kvserve.kv.backends import create_backend
+    from kvserve.kv.backends.chunk_format import ChunkCodec
+    from kvserve.kv.backends.storage import parse_size
+
+    chunk_bytes = args.chunk_tokens * st.kv_bytes_per_token
+    codec = ChunkCodec("0123456789abcdef", "valkey-memory-probe", chunk_bytes)
+    n_src = 64
+    src = mmap.mmap(-1, n_src * chunk_bytes)
+    for s in range(n_src):  # distinct bytes (the server compares nothing; the hash does)
+        src[s * chunk_bytes : s * chunk_bytes + 16] = os.urandom(16)
+    view = memoryview(src)
+    payloads = [view[s * chunk_bytes : (s + 1) * chunk_bytes] for s in range(n_src)]
+    maxmemory = parse_size(args.valkey_maxmemory)
+    per_phase = max(1, maxmemory // chunk_bytes)
+    phases = ("fill", "first-turnover", "steady")
+    batch = 4
+    period = batch * chunk_bytes / (args.heavy_mb_s * 1e6) if args.heavy_mb_s > 0 else 0.0
+    arms = {"reuse": True, "glibc-defaults": False}
+    rows: dict[str, list[dict[str, dict[str, float]]]] = {a: [] for a in arms}
+    allocator = None
+    for rnd in range(args.valkey_rounds):
+        order = list(arms) if rnd % 2 == 0 else list(reversed(arms))
+        for arm in order:
+            srv = RedisServer(maxmemory=maxmemory, reuse_freed_memory=arms[arm]).start()
+            tier = create_backend("redis", codec, url=srv.url)
+            try:
+                allocator = srv.client().info("memory").get("mem_allocator")
+                pid = srv.proc.pid
+                out: dict[str, dict[str, float]] = {}
+                i = 0
+                next_t = time.perf_counter()
+                for phase in phases:
+                    f0, c0 = _proc_faults_cpu(pid)
+                    t0 = time.perf_counter()
+                    for _ in range(0, per_phase, batch):
+                        keys = [b"%032d" % (i + j) for j in range(batch)]
+                        tier.put(keys, [payloads[(i + j) % n_src] for j in range(batch)])
+                        i += batch
+                        if period:
+                            next_t += period
+                            wait = next_t - time.perf_counter()
+                            if wait > 0:
+                                time.sleep(wait)
+                    f1, c1 = _proc_faults_cpu(pid)
+                    n = -(-per_phase // batch) * batch
+                    out[phase] = {
+                        "faults_per_chunk": (f1 - f0) / n,
+                        "cpu_ms_per_chunk": (c1 - c0) * 1e3 / n,
+                        "MB_s": n * chunk_bytes / (time.perf_counter() - t0) / 1e6,
+                    }
+                out["evicted"] = {"keys": float(srv.client().info("stats")["evicted_keys"])}
+            finally:
+                tier.close()
+                srv.close()
+            rows[arm].append(out)
+            progress(
+                f"valkey {arm} round {rnd}: "
+                + ", ".join(
+                    f"{p} {out[p]['faults_per_chunk']:.0f} faults {out[p]['cpu_ms_per_chunk']:.2f}"
+                    " ms"
+                    for p in phases
+                )
+            )
+    summary = {
+        arm: {
+            p: {
+                k: statistics.median(r[p][k] for r in rs)
+                for k in ("faults_per_chunk", "cpu_ms_per_chunk", "MB_s")
+            }
+            for p in phases
+        }
+        for arm, rs in rows.items()
+    }
+    return {
+        "maxmemory": maxmemory,
+        "chunks_per_phase": per_phase,
+        "mem_allocator": allocator,
+        "rounds": rows,
+        "median": summary,
+    }
+
+
 # ------------------------------------------------------------------------------ 5
 def bench_hit_rate(st: Setup, args, progress) -> dict:
     L = args.ws_prompt_len
@@ -1515,6 +1616,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--redis-maxmemory", default="2gb")
     ap.add_argument(
+        "--redis-malloc-defaults", action="store_true",
+        help="start the benchmark's server with glibc malloc's defaults (the launcher's "
+        "GLIBC_MALLOC_REUSE off: evicted values unmapped, the next ones faulted in)",
+    )  # fmt: skip
+    ap.add_argument("--valkey-maxmemory", default="256MiB", help="maxmemory of 4v's servers")
+    ap.add_argument("--valkey-rounds", type=int, default=2, help="interleaved rounds of 4v")
+    ap.add_argument(
         "--tier-option", action="append", default=[], metavar="TIER:KEY=VALUE",
         help="an option added to every spec of that tier (fs:o_direct=false), repeatable",
     )  # fmt: skip
@@ -1563,7 +1671,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--probe-rounds", type=int, default=5, help="interleaved rounds of 4c")
     ap.add_argument("--probe-mb-s", type=float, default=60.0, help="4c's stream, MB/s")
     ap.add_argument(
-        "--skip", nargs="*", default=[], help="ttft read cross decode windows cost hitrate"
+        "--skip",
+        nargs="*",
+        default=[],
+        help="ttft read cross decode windows cost valkey hitrate",
     )
     ap.add_argument("--results-dir", default=str(RESULTS))
     ap.add_argument("--out", default=None, help="results basename (default tiers_<preset>)")
@@ -1596,7 +1707,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     steps = [
         s
-        for s in ("ttft", "read", "cross", "decode", "windows", "cost", "hitrate")
+        for s in ("ttft", "read", "cross", "decode", "windows", "cost", "valkey", "hitrate")
         if s not in args.skip
     ]
     st = Setup(args)
@@ -1622,6 +1733,7 @@ def main(argv: list[str] | None = None) -> dict:
             "decode": bench_decode,
             "windows": bench_decode_windows,
             "cost": bench_write_cost,
+            "valkey": bench_valkey_memory,
             "hitrate": bench_hit_rate,
         }
         try:
@@ -1803,6 +1915,21 @@ def report(res: dict, name: str) -> str:
                 f" written; CPU per chunk: this process {v['process_cpu_ms_per_chunk']:.2f} ms, "
                 f"the writer process {v['writer_cpu_ms_per_chunk']:.2f} ms) | - |"
             )
+    if "valkey" in res:
+        v = res["valkey"]
+        labels = {"reuse": "the launcher's default (evicted values' memory reused)",
+                  "glibc-defaults": "glibc malloc's defaults"}  # fmt: skip
+        for arm, phases in v["median"].items():
+            lines.append(
+                f"| 4v. the server per stored chunk at {a['heavy_mb_s']:g} MB/s "
+                f"(maxmemory {v['maxmemory'] / 2**20:.0f} MiB, {v['mem_allocator']}), "
+                f"{labels.get(arm, arm)}: page faults, CPU | "
+                + "; ".join(
+                    f"{p} {x['faults_per_chunk']:.1f} faults, {x['cpu_ms_per_chunk']:.2f} ms"
+                    for p, x in phases.items()
+                )
+                + f" (medians of {len(v['rounds'][arm])} rounds) | - |"
+            )
     if "hitrate" in res:
         h = res["hitrate"]
         top = h["points"][-1]
@@ -1916,6 +2043,16 @@ def report(res: dict, name: str) -> str:
         "redis, its writes in writer threads of this process or in its writer process, or "
         "no writes; interleaved rounds. CPU per chunk: this process's CPU time above the "
         "no-write runs' (the feeder's included), the writer process's from `/proc/PID/stat`.",
+        "- 4v: no model: a redis tier writes unique chunks at the heavy stream's rate into a "
+        "fresh server per arm (maxmemory `--valkey-maxmemory`, LRU eviction), one maxmemory "
+        "of chunks per phase: filling, the first turnover (each store evicts an older chunk), "
+        "steady; the server's minor page faults and CPU time from `/proc/PID/stat` per chunk. "
+        "Arms in interleaved rounds, the order rotating: `reuse` (the launcher's default, "
+        "`GLIBC_MALLOC_REUSE`: a fixed mmap threshold above a chunk and a trim threshold, so "
+        "a glibc-malloc server reuses evicted values' memory) and `glibc-defaults` (glibc's "
+        "dynamic mmap threshold: each value its own mapping until one is freed, evicted values "
+        "unmapped, the next ones faulted in). A jemalloc server ignores the setting. "
+        "`--redis-malloc-defaults` starts the other measurements' server the old way.",
     ]
     return "\n".join(lines) + "\n"
 

