@@ -133,14 +133,7 @@ class Arm(NamedTuple):
 # for the headers' answer (one exchange before the pick).
 _BEFORE = Arm("BUFFERED", served="attribute", lua=True, forward_all=True, lb_metadata=True)
 EPP_ARMS = {
-    # The response does not wait for the EPP: the picking stream sees the request only (it ends
-    # with the HTTP request: the count's release); an ext_proc filter in observability mode
-    # sends the response headers (status, served address) without waiting; the route names
-    # the endpoint (x-kvserve-endpoint) from the pick's metadata.
-    "envoy_epp": Arm("BUFFERED", "NONE", response_path="observe"),
-    # The headline before 2026-12-02h: the EPP answers the response headers (names the
-    # endpoint, removes the served address) before the client gets them.
-    "envoy_epp_exchange": Arm("BUFFERED"),
+    "envoy_epp": Arm("BUFFERED"),
     "envoy_epp_all_headers": Arm("BUFFERED", forward_all=True, lb_metadata=True),
     "envoy_epp_before": _BEFORE,
     "envoy_epp_streamed": Arm("STREAMED", "NONE"),
@@ -148,6 +141,11 @@ EPP_ARMS = {
     # where the EPP releases the count; plain Envoy serves the pick (its one address), but the
     # client gets no x-kvserve-endpoint and the EPP no status (metrics, probe on 502-504).
     "envoy_epp_trailers": Arm("BUFFERED", "NONE", response_headers="SKIP"),
+    # The response does not wait for the EPP: the picking stream sees the request only (it ends
+    # with the HTTP request: the count's release); an ext_proc filter in observability mode
+    # sends the response headers (status, served address) without waiting; the route names
+    # the endpoint (x-kvserve-endpoint) from the pick's metadata.
+    "envoy_epp_observe": Arm("BUFFERED", "NONE", response_path="observe"),
     "envoy_epp_duplex": Arm("FULL_DUPLEX_STREAMED"),
     "envoy_epp_clear": Arm("BUFFERED", route_cache="DEFAULT"),
     "envoy_epp_grpcio": Arm("BUFFERED", transport="grpcio", route_cache="DEFAULT"),
@@ -155,8 +153,7 @@ EPP_ARMS = {
 # with --base-src: that tree's EPP behind the headline's Envoy configuration (--base-envoy
 # before: the configuration before 2026-12-02, for a tree older than cce83aa)
 BASE_ARMS = {
-    "headline": Arm("BUFFERED", "NONE", transport="base", response_path="observe"),
-    "exchange": Arm("BUFFERED", transport="base"),
+    "headline": Arm("BUFFERED", transport="base"),
     "before": _BEFORE._replace(transport="base"),
 }
 # Envoy's timings of each phase (its access log, microseconds), reported per arm
@@ -407,9 +404,8 @@ def run_overhead(args, workdir: Path) -> list[dict]:
             if arm == "envoy_epp":  # (and the listener to a fixed upstream, the baseline)
                 spec.direct_upstream = fixed
             envoys[arm] = Envoy(spec, workdir).start()
-        # the null processor behind the response-headers exchange (its contract: the runs
-        # before 2026-12-02h, where that was the headline's configuration)
-        null = EPP_ARMS["envoy_epp_exchange"].spec(("127.0.0.1", nport))
+        # the null processor behind the headline's Envoy configuration
+        null = args.arms["envoy_epp"].spec(("127.0.0.1", nport))
         null.access_log = str(workdir / "envoy_null.log")
         envoys["envoy_null"] = Envoy(null, workdir).start()
         urls_of = {

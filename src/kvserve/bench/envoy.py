@@ -99,18 +99,20 @@ class EnvoySpec:
     # with nothing left to send, Envoy would end the stream at the response headers).
     response_body_mode: str = "STREAMED"
     response_header_mode: str = "SEND"  # where the EPP learns the served endpoint
-    # How the response reaches the EPP: "observe" (the picking filter sees the request only
-    # and its stream ends with the HTTP request; a second ext_proc filter in
-    # observability_mode sends the response headers without waiting; the route names the
-    # endpoint from the pick's metadata; a header_mutation filter removes the served address
-    # after the observer read it): no wait for the EPP on the response path (Envoy's
-    # upstream-in to downstream-out p99 0.31-0.36 ms, 1.9-6.5 ms with the exchange:
-    # benchmarks/results/epp_2026-12-02h.md, -02i.md, -02j.md). "exchange" (the modes
-    # above: with response headers SEND, the EPP answers them before the client gets them,
-    # naming the endpoint and removing the served address); "trailers" (response headers
-    # SKIP, body NONE: only the answer's end, 2 messages each way, nothing learnt of it).
-    response_path: str = "observe"
-    # observe: the observer streams' deferred_close_timeout (the EPP ends each at its report)
+    # How the response reaches the EPP: "exchange" (the modes above: with response headers
+    # SEND, the EPP answers them before the client gets them, naming the endpoint and
+    # removing the served address); "trailers" (response headers SKIP, body NONE: only the
+    # answer's end, 2 messages each way, nothing learnt of it); "observe" (the picking filter
+    # sees the request only and its stream ends with the HTTP request; a second ext_proc
+    # filter in observability_mode sends the response headers without waiting; the route
+    # names the endpoint from the pick's metadata; a header_mutation filter removes the
+    # served address after the observer read it): no wait for the EPP on the response path
+    # (Envoy's upstream-in to downstream-out p99 0.31-0.36 ms, 1.7-6.5 ms with the
+    # exchange), end to end not yet better on machine C (benchmarks/results/epp_2026-12-02h.md
+    # to -02j.md).
+    response_path: str = "exchange"
+    # observe: the observer streams' deferred_close_timeout (Envoy ends them, this long after
+    # the request)
     observer_close_s: float = 1.0
     failure_mode_allow: bool = False  # fail open (see the spec's caveat on bodies)
     message_timeout_s: float = 10.0  # per ext_proc message (a loaded CI box tokenizes slowly)

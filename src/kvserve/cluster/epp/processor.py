@@ -334,7 +334,6 @@ class ExtProcStream:
         self.observed = observed  # an observer stream reports the response (not this one)
         self.observed_key: str | None = None  # the pick's id there
         self.extra = b""  # appended to the pick's answer: its observed metadata
-        self.done = False  # the EPP ends the stream (an observer's, after its report)
         self.request_mode = BUFFERED  # assumed when Envoy sends no protocol_config
         self.response_mode = NONE
         self.body_early = False  # send_body_without_waiting_for_header_response
@@ -622,19 +621,17 @@ class ExtProcStream:
     def _observe(self, msg: pb.ProcessingRequest) -> list[Answer]:
         """An observer stream's response headers (nothing is answered: Envoy does not wait):
         the picking stream of the id they carry learns from them; its count stays with it
-        (released when Envoy ends that stream, with the HTTP request). The report is the
-        observer stream's only message: the EPP ends that stream now (its status goes out with
-        this callback's other frames; Envoy would end it only ``deferred_close_timeout``
-        after the request, one more wake-up and write on each side)."""
+        (released when Envoy ends that stream, with the HTTP request). The observer stream
+        is left for Envoy to end (``deferred_close_timeout`` after the request): ending it
+        here at its report measured slower (the picking streams' exchanges too) and ~0.1 ms
+        more CPU per request in both processes (benchmarks/results/epp_2026-12-02i.md and
+        -02j.md, against -02h.md: one run each way round, on a noisy machine)."""
         ns = msg.metadata_context.filter_metadata.get(OBSERVER_NAMESPACE)
         key = ns.fields.get("id") if ns is not None else None
         picker = None if key is None else self.epp.observers.claim(key.string_value)
         if picker is not None:  # (else another EPP's pick, or one long over)
             status, _, _, header = _read_response_headers(msg)
             picker._answered(msg, status, header, self._later)
-        self.done = True
-        if self.call is not None:
-            self.call.finish()
         return []
 
     def _answered(

@@ -88,8 +88,6 @@ class _Processor(pb_grpc.ExternalProcessorServicer):
                     if type(out) is bytes:  # (serialized once for the in-loop transport)
                         out = pb.ProcessingResponse.FromString(out)
                     await context.write(out)
-                if stream.done:  # (an observer's report: the call ends here, OK)
-                    break
         finally:
             stream.on_end()
 
