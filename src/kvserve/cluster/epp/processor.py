@@ -333,7 +333,9 @@ class ExtProcStream:
         self.call = call
         self.observed = observed  # an observer stream reports the response (not this one)
         self.observed_key: str | None = None  # the pick's id there
-        self.extra = b""  # appended to the pick's answer: its observed metadata
+        # appended to the pick's answer: its observed metadata (b"": ``bytes + b""`` is the
+        # same object in CPython, no copy)
+        self.extra = b""
         self.request_mode = BUFFERED  # assumed when Envoy sends no protocol_config
         self.response_mode = NONE
         self.body_early = False  # send_body_without_waiting_for_header_response
@@ -453,9 +455,7 @@ class ExtProcStream:
         if type(result) is not Pick:
             return [result]
         self.headers_answered = True
-        if self.extra:
-            return [result.headers_response + self.extra]
-        return [result.headers_response]
+        return [result.headers_response + self.extra]
 
     def _request_body(self, msg: pb.ProcessingRequest) -> list[Answer] | Awaitable[list[Answer]]:
         b = msg.request_body
@@ -492,11 +492,9 @@ class ExtProcStream:
         if type(result) is not Pick:
             return [result]
         if self.headers_answered:  # BUFFERED: the headers are still held; mutate them now
-            if self.extra:
-                return [result.body_response + self.extra]
-            return [result.body_response]
+            return [result.body_response + self.extra]
         self.headers_answered = True
-        out = [result.headers_response + self.extra if self.extra else result.headers_response]
+        out = [result.headers_response + self.extra]
         if self.request_mode == FULL_DUPLEX:
             out += _echo(data, end_of_stream, request=True)
         else:  # STREAMED: continue every chunk as it came
