@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -105,6 +106,25 @@ def _served(r: httpx.Response) -> tuple[str, int]:
     assert "x-gateway-destination-endpoint-served" not in r.headers
     details = r.json()["usage"].get("prompt_tokens_details") or {}
     return r.headers["x-kvserve-endpoint"], details.get("cached_tokens", 0)
+
+
+@contextlib.contextmanager
+def _epp_behind_envoy(
+    tmp_path: Path, config: dict, *router_args: str, **spec: Any
+) -> Iterator[tuple[str, Envoy]]:
+    """An EPP (``kvserve route --epp-port``) for ``config`` behind a real Envoy built from
+    ``EnvoySpec(epp, **spec)``: (the EPP's HTTP URL, the Envoy)."""
+    grpc_port = free_port()
+    with (
+        router_process(tmp_path, config, *router_args, "--epp-port", str(grpc_port)) as epp,
+        Envoy(EnvoySpec(("127.0.0.1", grpc_port), **spec), tmp_path) as envoy,
+    ):
+        yield epp, envoy
+
+
+def _endpoints(epp: str) -> list[dict]:
+    """The EPP's view of its endpoints (its ``/router/state``)."""
+    return httpx.get(epp + "/router/state", timeout=10, trust_env=False).json()["endpoints"]
 
 
 def _health(port: int, service: str) -> int:
@@ -333,26 +353,20 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path,
     with fake_backends(2) as urls:
         for u in urls:
             httpx.post(u + "/_fake/config", json={"chunks": 200, "chunk_interval": 0.05})
-        grpc_port = free_port()
         config = {"endpoints": [{"url": u} for u in urls]}
         limits = ["--max-connections-per-endpoint", "1", "--max-queue-per-endpoint", "0"]
-        with (
-            router_process(tmp_path, config, *limits, "--epp-port", str(grpc_port)) as epp,
-            Envoy(
-                EnvoySpec(
-                    ("127.0.0.1", grpc_port),
-                    request_body_mode=modes[0],
-                    response_body_mode=modes[1],
-                    response_header_mode=modes[2],
-                    response_path=modes[3],
-                ),
-                tmp_path,
-            ) as envoy,
-        ):
+        with _epp_behind_envoy(
+            tmp_path,
+            config,
+            *limits,
+            request_body_mode=modes[0],
+            response_body_mode=modes[1],
+            response_header_mode=modes[2],
+            response_path=modes[3],
+        ) as (epp, envoy):
 
             def in_flight() -> list[int]:
-                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
-                return sorted(e["in_flight"] for e in r.json()["endpoints"])
+                return sorted(e["in_flight"] for e in _endpoints(epp))
 
             body = {"model": "m", "prompt": "hi", "stream": True}
             with contextlib.ExitStack() as streams:
@@ -394,17 +408,11 @@ def test_without_the_response_headers_exchange_an_answer_counts_until_its_end(tm
     with fake_backends(2) as urls:
         for u in urls:
             httpx.post(u + "/_fake/config", json={"delay": 1.5})
-        grpc_port = free_port()
         config = {"endpoints": [{"url": u} for u in urls]}
-        spec = EnvoySpec(("127.0.0.1", grpc_port), response_path="trailers")
-        with (
-            router_process(tmp_path, config, "--epp-port", str(grpc_port)) as epp,
-            Envoy(spec, tmp_path) as envoy,
-        ):
+        with _epp_behind_envoy(tmp_path, config, response_path="trailers") as (epp, envoy):
 
             def in_flight() -> int:
-                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
-                return sum(e["in_flight"] for e in r.json()["endpoints"])
+                return sum(e["in_flight"] for e in _endpoints(epp))
 
             sent, received = _ext_proc_messages(envoy)
             body = {"model": "m", "prompt": "hi", "max_tokens": 2}
@@ -426,24 +434,19 @@ def test_the_grpcio_transport(tmp_path):
     """`--epp-transport grpcio` (grpc.aio instead of the in-loop server) keeps the contract:
     gRPC health, a pick through Envoy, the served endpoint named, its count released."""
     with fake_backends(2) as urls:
-        grpc_port = free_port()
         config = {"endpoints": [{"url": u} for u in urls]}
-        flags = ["--epp-port", str(grpc_port), "--epp-transport", "grpcio"]
-        with (
-            router_process(tmp_path, config, *flags) as epp,
-            Envoy(EnvoySpec(("127.0.0.1", grpc_port)), tmp_path) as envoy,
-        ):
-            assert _health(grpc_port, "readiness") == SERVING
+        with _epp_behind_envoy(tmp_path, config, "--epp-transport", "grpcio") as (epp, envoy):
+            assert _health(envoy.spec.epp_address[1], "readiness") == SERVING
             body = {"model": "m", "prompt": "hi", "max_tokens": 2}
             r = httpx.post(envoy.url + "/v1/completions", json=body, timeout=30, trust_env=False)
             assert r.status_code == 200, r.text
-            state = httpx.get(epp + "/router/state", timeout=10, trust_env=False).json()
-            assert r.headers["x-kvserve-endpoint"] in {e["name"] for e in state["endpoints"]}
+            endpoints = _endpoints(epp)
+            assert r.headers["x-kvserve-endpoint"] in {e["name"] for e in endpoints}
             deadline = time.monotonic() + 10  # (released as Envoy ends the picking stream)
-            while any(e["in_flight"] for e in state["endpoints"]):
+            while any(e["in_flight"] for e in endpoints):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-                state = httpx.get(epp + "/router/state", timeout=10, trust_env=False).json()
+                endpoints = _endpoints(epp)
 
 
 def test_envoy_recovers_when_the_picker_restarts(stack):
@@ -515,17 +518,11 @@ def test_observed_responses_the_response_path_waits_for_no_epp(tmp_path):
     mid-stream) and releases it then; 2 messages each way on the picking stream, 1 report and
     no answer on the observer's."""
     with fake_backends(2) as urls:
-        grpc_port = free_port()
         config = {"endpoints": [{"url": u, "name": f"fake-{i}"} for i, u in enumerate(urls)]}
-        spec = EnvoySpec(("127.0.0.1", grpc_port), response_path="observe")
-        with (
-            router_process(tmp_path, config, "--epp-port", str(grpc_port)) as epp,
-            Envoy(spec, tmp_path) as envoy,
-        ):
+        with _epp_behind_envoy(tmp_path, config, response_path="observe") as (epp, envoy):
 
             def state() -> dict[str, dict]:
-                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
-                return {e["name"]: e for e in r.json()["endpoints"]}
+                return {e["name"]: e for e in _endpoints(epp)}
 
             def in_flight() -> int:
                 return sum(e["in_flight"] for e in state().values())
@@ -609,20 +606,14 @@ def test_observed_responses_envoys_own_5xx_probes_the_endpoint(tmp_path):
     served address."""
     with fake_backends(1) as live, contextlib.ExitStack() as victim_stack:
         victim = victim_stack.enter_context(fake_backends(1))
-        grpc_port = free_port()
         config = {
             "endpoints": [{"url": victim[0], "name": "victim"}, {"url": live[0], "name": "live"}],
             "health": {"interval_s": 60, "unhealthy_after": 1},  # (one probe: out)
         }
-        spec = EnvoySpec(("127.0.0.1", grpc_port), response_path="observe")
-        with (
-            router_process(tmp_path, config, "--epp-port", str(grpc_port)) as epp,
-            Envoy(spec, tmp_path) as envoy,
-        ):
+        with _epp_behind_envoy(tmp_path, config, response_path="observe") as (epp, envoy):
 
             def healthy() -> dict[str, bool]:
-                r = httpx.get(epp + "/router/state", timeout=10, trust_env=False)
-                return {e["name"]: e["healthy"] for e in r.json()["endpoints"]}
+                return {e["name"]: e["healthy"] for e in _endpoints(epp)}
 
             assert healthy() == {"victim": True, "live": True}
             victim_stack.close()  # its process is gone: connections refused
