@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 
 from kvserve.kv.backends import create_backend
-from kvserve.kv.backends.chunk_format import ChunkCodec
-from kvserve.kv.backends.fs import FsBackend
+from kvserve.kv.backends.chunk_format import (
+    HEADER_BYTES,
+    ChunkCodec,
+    payload_digest,
+    payload_hasher,
+)
+from kvserve.kv.backends.fs import READ_PIECE, FsBackend
 from tests.kv.conftest import drop_privileges, in_subprocess, remount
 from tests.kv.test_backend_disk import o_direct_works
 
@@ -465,3 +470,77 @@ def test_errno_of_a_missing_root_is_clear(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="fs tier: cannot create") as e:
         create_backend("fs", CODEC, path=str(blocker / "sub"), size="1GiB")
     assert e.value.errno == errno.ENOTDIR
+
+
+# -- reads in pieces -----------------------------------------------------------------------------
+BIG = ChunkCodec(CODEC.model, CODEC.layout, payload_bytes=2 * READ_PIECE + 12345)
+
+
+def _flip_at(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["none", "first_piece_end", "second_piece_start", "last_byte", "header_key", "truncated"],
+)
+def test_a_chunk_of_several_pieces_is_verified_whole(tmp_path: Path, where: str) -> None:
+    """A chunk larger than :data:`READ_PIECE` is read and hashed piece by piece: a flipped bit
+    in any piece, a foreign header or a file cut at a piece boundary is a miss (counted,
+    removed), an intact one comes back byte for byte, from the page cache or the device."""
+    b = FsBackend(BIG, path=tmp_path / "fs", size=f"{8 * BIG.stored_bytes}B", sweep=False)
+    try:
+        import random
+
+        rng = random.Random(7)
+        key, payload = rng.randbytes(32), rng.randbytes(BIG.payload_bytes)
+        assert b.put([key], [memoryview(payload)]) == [True]
+        path = b.path_of(key)
+        hdr = HEADER_BYTES
+        if where == "truncated":
+            os.truncate(path, hdr + READ_PIECE)
+        elif where != "none":
+            offset = {
+                "first_piece_end": hdr + READ_PIECE - 1,
+                "second_piece_start": hdr + READ_PIECE,
+                "last_byte": BIG.stored_bytes - 1,
+                "header_key": 40,
+            }[where]
+            _flip_at(path, offset)
+        waits = []
+        for cold in (False, True):  # from the page cache, then from the device
+            if cold and os.path.exists(path):
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+            out = memoryview(bytearray(BIG.payload_bytes))
+            got = b.get([key], [out], on_wait=lambda: waits.append(1))
+            if where == "none":
+                assert got == [True] and bytes(out) == payload
+            else:
+                assert got == [False] and b.stats.corrupt == 1 and not os.path.exists(path)
+        assert b.stats.errors == 0
+        if where == "none":
+            assert len(waits) <= 1  # the cold read told the caller once that it waits
+    finally:
+        b.close()
+
+
+def test_the_streaming_hash_is_the_one_shot_hash() -> None:
+    """Pieces fed to :func:`payload_hasher` give :func:`payload_digest` of the whole, for any
+    split (the fs tier hashes a read in pieces; writers hash a chunk whole)."""
+    import random
+
+    rng = random.Random(3)
+    data = rng.randbytes(3 * READ_PIECE + 17)
+    for cuts in ([], [1], [READ_PIECE], [5, 240, 100_000, 3 * READ_PIECE]):
+        h, last = payload_hasher(), 0
+        for c in [*cuts, len(data)]:
+            h.update(data[last:c])
+            last = c
+        assert h.digest() == payload_digest(data)

@@ -97,7 +97,7 @@ def pwritev_all(fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> Non
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         offset += n
-        _advance(views, n)
+        advance(views, n)
 
 
 def preadv_all(fd: int, bufs: Sequence[memoryview | bytearray | mmap.mmap], offset: int) -> bool:
@@ -108,11 +108,11 @@ def preadv_all(fd: int, bufs: Sequence[memoryview | bytearray | mmap.mmap], offs
         if n <= 0:
             return False
         offset += n
-        _advance(views, n)
+        advance(views, n)
     return True
 
 
-def _advance(views: list[memoryview], n: int) -> None:
+def advance(views: list[memoryview], n: int) -> None:
     """Drop the first ``n`` bytes from ``views`` after a partial vectored read or write."""
     while views and n >= len(views[0]):
         n -= len(views[0])
