@@ -1697,6 +1697,8 @@ def parse_args(argv: list[str] | None = None):
         args.ws_prompt_len, args.ws_host_prompts, args.ws_batch = 256, 2, 4
         args.hit_rates = [0.0, 1.0]
         args.redis_maxmemory = "512mb"
+        args.probe_s, args.probe_rounds = 0.5, 2
+        args.valkey_maxmemory, args.valkey_rounds = "32MiB", 1
         args.out = args.out or "tiers_quick"
     return args
 

@@ -56,6 +56,14 @@ def test_bench_tiers_quick(tiny_model_dir, tmp_path) -> None:
     assert w["fed_chunks"] > 0 and all(x > 0 for x in w["written_MB_s_on"].values()), w
     lo, hi = w["paired_ci95"]
     assert 0 < lo <= w["paired_median"] <= hi
+    # 4c: the loop ran beside each writer setting and the feeder's chunks were written.
+    for c in ("thread", "proc"):
+        assert res["cost"][c]["loop_ratio"] > 0 and res["cost"][c]["chunks_per_s"] > 0, c
+    # 4v: each server setting stored one maxmemory of chunks per phase, at the stream's rate.
+    for arm in ("reuse", "glibc-defaults"):
+        for phase in ("fill", "first-turnover", "steady"):
+            row = res["valkey"]["median"][arm][phase]
+            assert row["MB_s"] > 0 and row["cpu_ms_per_chunk"] > 0, (arm, phase, row)
     # 5: with the disk tier, re-used working-set prompts hit; without it they miss (4x host).
     top = res["hitrate"]["points"][-1]
     assert top["reuse"] == 1.0
