@@ -454,3 +454,95 @@ def test_after_answers_runs_once_the_answer_is_written_and_before_the_next_messa
         await server.stop()
 
     asyncio.run(run())
+
+
+def test_frames_and_messages_cut_anywhere_arrive_whole():
+    """Reads that end anywhere (inside a frame's header, its payload, a message's prefix)
+    and messages spread over DATA frames or several in one frame: every message reaches the
+    handler whole and in order, once, whatever the cuts; the same bytes in one read too."""
+    texts = ["a" * 300, "b", "c" * 40_000, "d", "e" * 7]
+    stream = _grpc_messages(*texts)
+    # DATA frames cut the messages' bytes at odd places: inside a prefix, inside a payload,
+    # two messages' ends and starts in one frame
+    cuts = [0, 3, 200, 306, 20_000, 40_318, len(stream)]
+    frames = b"".join(
+        _frame(_DATA, 0, 1, stream[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)
+    )
+
+    async def run(piece: int | None) -> None:
+        events: list = []
+        server, reader, writer, encoder = await _stream_server(lambda c: _Recorder(c, events))
+        data = (
+            _PREFACE
+            + _frame(_SETTINGS, 0, 0)
+            + _frame(_HEADERS, 0x4, 1, _stream_headers(encoder))
+            + frames
+            + _frame(_DATA, 0x1, 1)  # the client's end
+        )
+        if piece is None:
+            writer.write(data)
+        else:  # each piece its own read (the server answers between them)
+            sizes = [1, piece, 5, 9, 2, piece * 7]
+            pos, k = 0, 0
+            while pos < len(data):
+                step = sizes[k % len(sizes)]
+                writer.write(data[pos : pos + step])
+                await writer.drain()
+                await asyncio.sleep(0.0005)
+                pos, k = pos + step, k + 1
+        assert await _read_answers(reader, 1, len(texts)) == texts
+        while True:
+            kind, flags, sid, payload = await _read_frame(reader)
+            if kind == _HEADERS and sid == 1:
+                assert flags & 0x1 and dict(hpack.Decoder().decode(payload))["grpc-status"] == "0"
+                break
+        got = [e[2] for e in events if e[1] == "message"]
+        assert got == texts and events[-1] == (1, "end", None)
+        writer.close()
+        await server.stop()
+
+    asyncio.run(run(None))
+    asyncio.run(run(13))
+    asyncio.run(run(1000))
+
+
+def test_after_read_runs_at_the_end_of_each_read_once_its_answers_are_written():
+    """The server's ``after_read`` hook (the EPP's garbage collection) runs once per read of
+    a connection, after that read's answers have gone to the socket."""
+
+    async def run() -> None:
+        events: list = []
+        server, reader, writer, encoder = await _stream_server(lambda c: _Deferring(c, events))
+        conns: list = []
+
+        def after_read() -> None:
+            conn = next(iter(server.connections))
+            conns.append(not conn._out)  # answers written?
+            events.append(("read",))
+
+        server.after_read = after_read
+        writer.write(
+            _PREFACE
+            + _frame(_SETTINGS, 0, 0)
+            + _frame(_HEADERS, 0x4, 1, _stream_headers(encoder))
+            + _frame(_DATA, 0, 1, _grpc_messages("a", "b"))
+        )
+        assert await _read_answers(reader, 1, 2) == ["a", "b"]
+        for _ in range(100):
+            if ("read",) in events:
+                break
+            await asyncio.sleep(0.02)
+        n = len(conns)
+        writer.write(_frame(_DATA, 0, 1, _grpc_messages("c")))
+        assert await _read_answers(reader, 1, 1) == ["c"]
+        for _ in range(100):
+            if len(conns) > n:
+                break
+            await asyncio.sleep(0.02)
+        assert len(conns) == n + 1 and all(conns)
+        # each read's messages, their bookkeeping, then the hook
+        assert events[-3:] == [("message", "c"), ("after", "c", True), ("read",)]
+        writer.close()
+        await server.stop()
+
+    asyncio.run(run())

@@ -61,6 +61,7 @@ UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 12, 13, 14
 
 _FRAME = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
 _MESSAGE = struct.Struct(">BI")  # gRPC: compressed flag, length
+_DATA_MESSAGE = struct.Struct(">IBIBI")  # a DATA frame's header, then its message's prefix
 _U32 = struct.Struct(">I")
 _DEFAULT_WINDOW = 65535
 _WINDOW = 1 << 24  # what we let a peer send ahead, per stream and per connection
@@ -189,11 +190,23 @@ class Call:
         if self.reset or self.finished:
             return
         payload = message if type(message) is bytes else message.SerializeToString()
-        data = _MESSAGE.pack(0, len(payload)) + payload
+        conn = self.conn
+        size = len(payload) + 5
         if not self._headers_sent:
             self._headers_sent = True
-            self.conn.write(_frame(HEADERS, END_HEADERS, self.stream_id, _RESPONSE_HEADERS))
-        self._pending.append((False, data))
+            conn.write(_frame(HEADERS, END_HEADERS, self.stream_id, _RESPONSE_HEADERS))
+        if (
+            not self._pending
+            and size <= self.send_window
+            and size <= conn.send_window
+            and size <= conn.peer_max_frame
+        ):  # the usual case: one DATA frame now (frame and message prefix packed at once)
+            self.send_window -= size
+            conn.send_window -= size
+            head = _DATA_MESSAGE.pack((size << 8) | DATA, 0, self.stream_id, 0, len(payload))
+            conn.write(head + payload)
+            return
+        self._pending.append((False, _MESSAGE.pack(0, len(payload)) + payload))
         self.flush()
 
     def after_answers(self, fn: Callable[..., object], *args: Any) -> None:
@@ -250,17 +263,27 @@ class Call:
             self.conn.write(_frame(WINDOW_UPDATE, 0, self.stream_id, _U32.pack(self._recv_unacked)))
             self._recv_unacked = 0
         buf = self._buf
-        buf += data
+        if buf:
+            buf += data
+            src: bytes | bytearray = buf
+        else:  # nothing held over (a message per DATA frame, as Envoy sends): read from data
+            src = data
+        held = src is buf
+        pos, n = 0, len(src)
         limit = self.conn.server.max_message_bytes
-        while len(buf) >= 5:
-            compressed, length = _MESSAGE.unpack_from(buf)
+        while n - pos >= 5:
+            compressed, length = _MESSAGE.unpack_from(src, pos)
             if length > limit:
                 self._abort(RESOURCE_EXHAUSTED, f"message of {length} bytes over {limit}")
                 return
-            if len(buf) < 5 + length:
+            end = pos + 5 + length
+            if end > n:
                 break
-            payload = bytes(buf[5 : 5 + length])
-            del buf[: 5 + length]
+            payload = bytes(src[pos + 5 : end]) if held else src[pos + 5 : end]
+            pos = end
+            if held:
+                del buf[:pos]
+                pos, n = 0, len(buf)
             if compressed:
                 self._abort(UNIMPLEMENTED, "compressed messages are not supported")
                 return
@@ -275,6 +298,8 @@ class Call:
                 self._dispatch(message)
                 if self.reset:
                     return
+        if not held and pos < n:  # a message cut short: kept for the next frame
+            buf += src[pos:]
         if end_stream:
             self.ended = True
             if self.handler is not None and not self._busy:
@@ -420,37 +445,51 @@ class Http2Connection(asyncio.Protocol):
                 self._flush()
             if self._after:
                 self._run_after()
+            if self.server.after_read is not None:
+                self.server.after_read()
 
     def _data_received(self, data: bytes) -> None:
         buf = self.buf
-        buf += data
-        if not self.preface:
-            head = bytes(buf[: len(PREFACE)])
-            if not PREFACE.startswith(head):  # not HTTP/2 with prior knowledge
-                self._go_away(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                return
-            if len(head) < len(PREFACE):
-                return
-            del buf[: len(PREFACE)]
-            self.preface = True
-        pos, n = 0, len(buf)
+        if buf or not self.preface:
+            buf += data
+            if not self.preface:
+                head = bytes(buf[: len(PREFACE)])
+                if not PREFACE.startswith(head):  # not HTTP/2 with prior knowledge
+                    self._go_away(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    return
+                if len(head) < len(PREFACE):
+                    return
+                del buf[: len(PREFACE)]
+                self.preface = True
+            src: bytes | bytearray = buf
+        else:  # nothing held over (the usual case): the frames are read from ``data`` itself
+            src = data if type(data) is bytes else bytes(data)
+        held = src is buf  # (a slice of the buffer is copied to bytes, one of data already is)
+        pos, n = 0, len(src)
         try:
             while n - pos >= 9:
-                head, flags, stream_id = _FRAME.unpack_from(buf, pos)
+                head, flags, stream_id = _FRAME.unpack_from(src, pos)
                 length, kind = head >> 8, head & 0xFF
                 if length > _MAX_FRAME:
                     raise _ConnectionError(FRAME_SIZE_ERROR, "frame over the announced size")
-                if n - pos - 9 < length:
+                end = pos + 9 + length
+                if end > n:
                     break
-                payload = bytes(buf[pos + 9 : pos + 9 + length])
-                pos += 9 + length
-                self._frame_received(kind, flags, stream_id & 0x7FFFFFFF, payload)
+                payload = bytes(src[pos + 9 : end]) if held else src[pos + 9 : end]
+                pos = end
+                if kind == DATA and self._continuation is None:  # (most frames: no dispatch)
+                    self._data(flags, stream_id & 0x7FFFFFFF, payload)
+                else:
+                    self._frame_received(kind, flags, stream_id & 0x7FFFFFFF, payload)
                 if self.transport is None:
                     return
         except _ConnectionError as e:
             self._go_away(e.code, str(e))
             return
-        del buf[:pos]
+        if held:
+            del buf[:pos]
+        elif pos < n:  # a frame cut short: kept for the next read
+            buf += src[pos:]
 
     # ------------------------------------------------------------------ frames
 
@@ -680,6 +719,9 @@ class GrpcServer:
         self.connections: set[Http2Connection] = set()
         self.calls = 0  # calls running
         self.stopping = False
+        # called at the end of every read's callback, its answers written and its
+        # after-answers work done (the EPP's garbage collection: epp/idle_gc.py)
+        self.after_read: Callable[[], object] | None = None
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int) -> int:

@@ -326,6 +326,12 @@ class ExtProcStream:
     """The state of one ``Process`` stream (one HTTP request through Envoy); on the in-loop
     transport, the call's :class:`~kvserve.cluster.epp.grpc_server.StreamHandler`."""
 
+    __slots__ = (
+        "epp", "call", "observed", "observed_key", "extra", "request_mode", "response_mode",
+        "body_early", "headers", "path", "body", "body_len", "chunks", "headers_answered",
+        "picked", "req", "counted", "first", "t_pick", "partial", "subset",
+    )  # fmt: skip
+
     def __init__(
         self, epp: EndpointPicker, call: Call | None = None, observed: bool = False
     ) -> None:
@@ -340,6 +346,7 @@ class ExtProcStream:
         self.response_mode = NONE
         self.body_early = False  # send_body_without_waiting_for_header_response
         self.headers: dict[str, str] = {}  # the request headers the EPP reads
+        self.path = "/"  # the request's :path without its query
         self.body: list[bytes] = []
         self.body_len = 0
         self.chunks = 0  # STREAMED chunks received and not answered
@@ -380,7 +387,7 @@ class ExtProcStream:
         if self.call is None:
             fn(*args)
         else:
-            self.call.after_answers(fn, *args)
+            self.call.conn.after_answers(fn, args)
 
     # ------------------------------------------------------------------ request path
 
@@ -392,7 +399,7 @@ class ExtProcStream:
             self.request_mode = cfg.request_body_mode
             self.response_mode = cfg.response_body_mode
             self.body_early = cfg.send_body_without_waiting_for_header_response
-        if msg.HasField("metadata_context"):
+        if not self.picked and msg.HasField("metadata_context"):  # (read by the pick only)
             hint = _subset_hint(msg)
             if hint is not None:  # (Envoy may send the metadata with the headers only)
                 self.subset = hint
@@ -427,7 +434,7 @@ class ExtProcStream:
                 raw = h.raw_value
                 headers[key] = raw.decode("latin-1") if raw else h.value
         core = self.epp.core
-        path = self.headers.get(":path", "/").partition("?")[0]
+        self.path = path = self.headers.get(":path", "/").partition("?")[0]
         if core.needs_key(path) and not core.authorized(self.headers.get("authorization")):
             self.picked = True  # answered: nothing more to pick
             core.metrics.rejected_of(401).inc()
@@ -461,9 +468,10 @@ class ExtProcStream:
         b = msg.request_body
         if self.picked:  # STREAMED after a pick on headers: pass the chunk on
             return [_REQUEST_BODY_CONTINUE]
-        if b.body:
-            self.body.append(b.body)
-            self.body_len += len(b.body)
+        chunk = b.body  # (each read of the field copies it out of the message)
+        if chunk:
+            self.body.append(chunk)
+            self.body_len += len(chunk)
             if self.body_len > self.epp.max_body_bytes:
                 self.epp.core.metrics.rejected_of(413).inc()
                 return [
@@ -513,8 +521,7 @@ class ExtProcStream:
         metrics = core.metrics
         t0 = time.perf_counter()
         self.picked = True
-        path = self.headers.get(":path", "/").partition("?")[0]
-        chat = _COMPLETION_PATHS.get(path)
+        chat = _COMPLETION_PATHS.get(self.path)
         endpoints = list(core.pool.endpoints.values())
         subset = self.subset
         if subset is not None:
