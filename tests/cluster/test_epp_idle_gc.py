@@ -71,3 +71,33 @@ def test_a_due_generation_is_collected_as_cpython_would_pick_it():
     finally:
         if was:
             gc.enable()
+
+
+def test_reads_collect_when_due_and_the_timer_sleeps_while_they_come():
+    """The EPP transport's reads collect a due generation themselves (``after_read``); while
+    they come, the timer ticks every ``fed_interval_s`` (here: not within the test), and
+    without them at ``interval_s`` again."""
+
+    async def run() -> None:
+        collector = IdleCollector(interval_s=0.005, fed_interval_s=60.0)
+        collector.start()
+        try:
+            threshold = gc.get_threshold()[0]
+            await asyncio.sleep(0.03)  # a few ticks at 5 ms
+            collector.after_read()
+            await asyncio.sleep(0.03)  # the tick after the read: the next one in 60 s
+            before = list(collector.collections)
+            kept = [[] for _ in range(threshold + 10)]
+            await asyncio.sleep(0.1)  # no tick: nothing collected
+            assert collector.collections == before
+            assert gc.get_count()[0] > threshold
+            collector.after_read()  # a read: due, collected now
+            assert sum(collector.collections) > sum(before)
+            assert gc.get_count()[0] < threshold
+            del kept
+        finally:
+            collector.stop()
+        collector.after_read()  # stopped: nothing (CPython collects again)
+        assert gc.isenabled()
+
+    asyncio.run(run())

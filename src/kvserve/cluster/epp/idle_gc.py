@@ -11,6 +11,12 @@ delays only the messages that arrive while it runs.
 
 Garbage without cycles is freed by reference counting as always; only cyclic garbage waits
 for the next tick (``interval_s``).
+
+The EPP's transport also checks after each read of Envoy's connections (:meth:`after_read`,
+once that read's answers are written): while such reads come, collections happen there and
+the timer ticks every ``fed_interval_s`` instead. A tick is a wake-up of its own: every 20 ms
+they cost the idle process ~11 ms of CPU a second on machine C (13.3-14.7 vs 2.7-3.3 ms/s
+with a 1 s tick), ~0.05 ms per request at 200 req/s.
 """
 
 from __future__ import annotations
@@ -24,13 +30,15 @@ class IdleCollector:
     generation whose count passed its threshold (``gc.get_threshold()``), as CPython would
     have at an allocation. :meth:`stop` gives the collection back to CPython."""
 
-    def __init__(self, interval_s: float = 0.02) -> None:
-        if interval_s <= 0:
-            raise ValueError("interval_s must be positive")
+    def __init__(self, interval_s: float = 0.02, fed_interval_s: float = 0.25) -> None:
+        if interval_s <= 0 or fed_interval_s <= 0:
+            raise ValueError("interval_s and fed_interval_s must be positive")
         self.interval_s = interval_s
+        self.fed_interval_s = fed_interval_s  # the tick while after_read is called
         self.collections = [0, 0, 0]  # run by this collector, per generation
         self._timer: asyncio.TimerHandle | None = None
         self._was_enabled = True
+        self._fed = False  # after_read was called since the last tick
 
     def start(self) -> None:
         """In the loop's thread: from now on collections happen between its callbacks."""
@@ -58,9 +66,18 @@ class IdleCollector:
         self.collections[gen] += 1
         return gen
 
+    def after_read(self) -> None:
+        """A loop callback has done its work (the EPP transport's read, its answers written):
+        collect now if a generation is due; the timer sleeps longer while these come."""
+        if self._timer is not None:
+            self._fed = True
+            self.collect_due()
+
     def _tick(self) -> None:
         try:
             self.collect_due()
         finally:
             if self._timer is not None:
-                self._timer = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
+                delay = self.fed_interval_s if self._fed else self.interval_s
+                self._fed = False
+                self._timer = asyncio.get_running_loop().call_later(delay, self._tick)
