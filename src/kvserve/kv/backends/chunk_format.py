@@ -73,11 +73,6 @@ def payload_digest(payload: memoryview | bytes) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
-def payload_hasher() -> xxhash.xxh3_128:
-    """:func:`payload_digest` fed in pieces (``update``, then ``digest``): the same digest."""
-    return xxhash.xxh3_128()
-
-
 @dataclass(frozen=True)
 class ChunkCodec:
     """Encodes and verifies chunks of one model and layout (one per engine, shared by tiers)."""

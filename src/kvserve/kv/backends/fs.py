@@ -41,12 +41,12 @@ versions; the header and full-content hash are checked on every read, and a file
 (truncated, bit-flipped, another format) is removed and counted.
 
 Retention is LRU-ish across instances: a write and a hit set the file's mtime (to the
-nanosecond; a hit on a file touched less than ``TOUCH_AFTER_S`` ago leaves it: recency to
-within seconds is enough for retention, and a hit then costs no metadata write, an RPC on
-NFS), and a sweep (every ``sweep_interval``, and early once this instance wrote
-``sweep_after`` bytes since the last one and what that sweep found plus what it wrote since
-exceeds ``size``, or wrote 4x ``sweep_after``: what other instances wrote shows only in a
-listing) deletes the least recently used files until the namespace holds 90% of ``size``, plus
+nanosecond; a hit on a file this instance wrote or touched less than ``TOUCH_AFTER_S`` ago
+leaves it: recency to within seconds is enough for retention, and a hit then costs no
+metadata write, an RPC on NFS, nor an fstat), and a sweep (every ``sweep_interval``, and
+early once this instance wrote ``sweep_after`` bytes since the last one and what that sweep
+found plus what it wrote since exceeds ``size``, or wrote 4x ``sweep_after``: what other
+instances wrote shows only in a listing) deletes the least recently used files until the namespace holds 90% of ``size``, plus
 temporary files left for more than a minute by a writer that died. A sweep lists and stats
 every file of the namespace: sweeping only when there is something to evict halves the
 sweeps of a full tier under a steady stream (from 90% of ``size`` a sweep every 10% of it
@@ -80,8 +80,8 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.kv.backends import register_backend
-from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_hasher
-from kvserve.kv.backends.disk import PAGE, advance, parse_o_direct, preadv_all, pwritev_all
+from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
+from kvserve.kv.backends.disk import PAGE, advance, parse_o_direct, pwritev_all
 from kvserve.kv.backends.storage import (
     StorageBackend,
     lower_thread_priority,
@@ -99,18 +99,12 @@ SPARE_RELIST_S = 1.0  # a writer that found no spare lists the directory again a
 SWEEP_LOW_WATER = 0.9  # a sweep deletes down to this fraction of size
 SWEEP_EARLY = 0.05  # this instance's writes (fraction of size) that may trigger a sweep early
 SWEEP_RESCAN = 4  # x sweep_after written: an early sweep anyway (others' writes show in listings)
-TOUCH_AFTER_S = 10.0  # a hit sets the mtime of a file untouched for longer than this
+TOUCH_AFTER_S = 10.0  # a hit sets the mtime of a file this instance left alone for longer
+_TOUCHED_MAX = 1 << 16  # keys whose last write or touch an instance remembers
 # A writer process that sweeps reports the namespace's bytes under this name in its counters.
 USAGE_STAT = "fs_usage_bytes"
 
 _MISS, _HIT, _CORRUPT = 0, 1, 2
-# A read's bytes are hashed this many at a time, right after they arrive: a piece stays in the
-# core's L2 cache (1-2 MiB per core on current x86 servers) between the copy and the hash.
-READ_PIECE = 256 << 10
-
-
-class _Truncated(Exception):
-    """A chunk file ended before its chunk did."""
 
 
 # preadv2 flag: read only what the page cache holds, never wait for the device (Linux >= 4.14).
@@ -127,6 +121,21 @@ def start_writeback(fd: int) -> None:
     (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing: the kernel's own)."""
     if _sync_file_range is not None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+def read_to_end(fd: int, bufs: list[Any], offset: int) -> int:
+    """Bytes read into ``bufs`` from ``offset`` (their first ``offset`` bytes already
+    filled) until they are full or the file ends."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    advance(views, offset)
+    total = 0
+    while views:
+        n = os.preadv(fd, views, offset + total)
+        if n <= 0:
+            break
+        total += n
+        advance(views, n)
+    return total
 
 
 def _same_file(path: str, st: os.stat_result) -> bool:
@@ -220,6 +229,8 @@ class FsBackend(StorageBackend):
         # Bytes of a chunk file written with O_DIRECT (the rest, under a page, buffered).
         self.direct_bytes = self.stored_bytes // PAGE * PAGE
         self._tls = threading.local()  # each writing thread's page-aligned buffer
+        self._past_end = bytearray(1)  # a read's byte past the chunk: filled by a long file
+        self._touched: dict[bytes, float] = {}  # key -> monotonic time of a write or touch
         want = parse_o_direct(o_direct)
         self._o_direct_ok = self._probe_o_direct(want)  # usable here (use_o_direct)
         self.o_direct = self._o_direct_ok and want is not False
@@ -332,6 +343,10 @@ class FsBackend(StorageBackend):
     def _read(
         self, key: bytes, out: memoryview, on_wait: Callable[[], None] | None
     ) -> int | OSError:
+        # Per chunk: open, one vectored read, the hash, close. A page-cache read is a memory
+        # copy, so every syscall and line of Python here shows (with two reading threads each
+        # one is also a GIL hand-off): the file's size is told by the read's count (a byte past
+        # the chunk is asked for too) and its mtime is not needed (``_touch_due``).
         path = self.path_of(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -340,70 +355,48 @@ class FsBackend(StorageBackend):
         except OSError as e:
             return e
         try:
-            st = os.fstat(fd)
-            if st.st_size != self.stored_bytes:
-                return _CORRUPT
             header = self._header_buffer()
-            hasher = payload_hasher()
-            digest = None
-            # Read and hashed piece by piece: each piece is hashed while the core's cache still
-            # holds it (one pass over memory, not a copy and then a second read for the hash).
-            # The header comes with the first piece: a chunk that is not this key's stops there.
-            for start in range(0, len(out), READ_PIECE):
-                piece = out[start : start + READ_PIECE]
-                if start:
-                    on_wait = self._fill(fd, [piece], HEADER_BYTES + start, on_wait)
-                else:
-                    on_wait = self._fill(fd, [header, piece], 0, on_wait)
-                    digest = self.codec.check_header(key, header)
-                    if digest is None:
-                        break
-                hasher.update(piece)
-            if digest is None or hasher.digest() != digest:
-                # A file evicted and reused while this read ran is a miss, not a bad chunk.
-                return _CORRUPT if _same_file(path, st) else _MISS
-            if time.time_ns() - st.st_mtime_ns > TOUCH_AFTER_S * 1e9:
-                _touch(fd)  # recently used: every instance's sweeper keeps it longer
-            return _HIT
-        except _Truncated:
-            return _CORRUPT
+            bufs = [header, out, self._past_end]
+            done = 0
+            if on_wait is not None:
+                done = self._read_cached(fd, bufs)
+                if done < self.stored_bytes:
+                    on_wait()  # the rest waits on the device
+            if done < self.stored_bytes:
+                done += read_to_end(fd, bufs, done)
+            if done == self.stored_bytes:
+                digest = self.codec.check_header(key, header)
+                if digest is not None and payload_digest(out) == digest:
+                    if self._touch_due(key):
+                        _touch(fd)  # recently used: every instance's sweeper keeps it longer
+                    return _HIT
+            # A file evicted and reused while this read ran is a miss, not a bad chunk.
+            return _CORRUPT if _same_file(path, os.fstat(fd)) else _MISS
         except OSError as e:
             return e
         finally:
             os.close(fd)
 
-    def _fill(
-        self,
-        fd: int,
-        bufs: list[memoryview | bytearray],
-        offset: int,
-        on_wait: Callable[[], None] | None,
-    ) -> Callable[[], None] | None:
-        """Fill ``bufs`` from ``offset`` of the file. While ``on_wait`` is given, first takes
-        what the page cache holds without waiting (``RWF_NOWAIT``) and calls ``on_wait`` before
-        waiting on the device for the rest. Returns the ``on_wait`` for the next piece (None
-        once called); raises :class:`_Truncated` when the file ends first."""
-        done = 0
-        if on_wait is not None:
-            done = self._read_cached(fd, bufs, offset)
-            if done < sum(len(b) for b in bufs):
-                on_wait()  # the rest waits on the device
-                on_wait = None
-            else:
-                return on_wait
-        views = [memoryview(b) for b in bufs]
-        advance(views, done)
-        if not preadv_all(fd, views, offset + done):
-            raise _Truncated
-        return on_wait
+    def _touch_due(self, key: bytes) -> bool:
+        """Whether a hit on ``key`` should set its file's mtime: not if this instance wrote or
+        touched it less than ``TOUCH_AFTER_S`` ago (remembered for the last ``_TOUCHED_MAX``
+        keys; races between threads cost at most an extra touch)."""
+        now = time.monotonic()
+        last = self._touched.get(key)
+        if last is not None and now - last < TOUCH_AFTER_S:
+            return False
+        if len(self._touched) >= _TOUCHED_MAX:
+            self._touched.clear()
+        self._touched[key] = now
+        return True
 
-    def _read_cached(self, fd: int, bufs: list[memoryview | bytearray], offset: int) -> int:
-        """Bytes of ``bufs`` read from ``offset`` without waiting (``RWF_NOWAIT``: what the
-        page cache holds from there on; 0 where the kernel or file system cannot tell)."""
+    def _read_cached(self, fd: int, bufs: list[Any]) -> int:
+        """Bytes read into ``bufs`` without waiting (``RWF_NOWAIT``: what the page cache holds
+        from the file's start; 0 where the kernel or file system cannot tell)."""
         if not self._nowait:
             return 0
         try:
-            return os.preadv(fd, bufs, offset, _RWF_NOWAIT)
+            return os.preadv(fd, bufs, 0, _RWF_NOWAIT)
         except BlockingIOError:
             return 0
         except OSError as e:
@@ -449,6 +442,7 @@ class FsBackend(StorageBackend):
         try:
             if os.stat(path).st_size == self.stored_bytes:
                 _touch(path)  # stored again: recently used
+                self._touched[key] = time.monotonic()
                 return _MISS  # already there (another instance wrote it): skipped
         except FileNotFoundError:
             pass
@@ -489,6 +483,7 @@ class FsBackend(StorageBackend):
             finally:
                 os.close(fd)  # may report a deferred write error (network file systems)
             os.rename(tmp, path)  # atomic: readers see the old state or the whole file
+            self._touched[key] = time.monotonic()
             return _HIT
         except OSError as e:
             self._unlink(tmp)
