@@ -46,8 +46,9 @@ leaves it: recency to within seconds is enough for retention, and a hit then cos
 metadata write, an RPC on NFS, nor an fstat), and a sweep (every ``sweep_interval``, and
 early once this instance wrote ``sweep_after`` bytes since the last one and what that sweep
 found plus what it wrote since exceeds ``size``, or wrote 4x ``sweep_after``: what other
-instances wrote shows only in a listing) deletes the least recently used files until the namespace holds 90% of ``size``, plus
-temporary files left for more than a minute by a writer that died. A sweep lists and stats
+instances wrote shows only in a listing) deletes the least recently used files until the
+namespace holds 90% of ``size``, plus temporary files left for more than a minute by a
+writer that died. A sweep lists and stats
 every file of the namespace: sweeping only when there is something to evict halves the
 sweeps of a full tier under a steady stream (from 90% of ``size`` a sweep every 10% of it
 written, not every 5%) and leaves a filling one to its interval (and every 20% of ``size``).
