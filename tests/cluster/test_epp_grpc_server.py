@@ -506,42 +506,48 @@ def test_frames_and_messages_cut_anywhere_arrive_whole():
     asyncio.run(run(1000))
 
 
-def test_after_read_runs_at_the_end_of_each_read_once_its_answers_are_written():
-    """The server's ``after_read`` hook (the EPP's garbage collection) runs once per read of
-    a connection, after that read's answers have gone to the socket."""
+def test_after_read_runs_after_a_read_that_leaves_no_call_open():
+    """The server's ``after_read`` hook (the EPP's garbage collection) runs at quiet moments
+    only: after a read that leaves no call open (a collection there delays no call's next
+    message), once that read's answers and the call's trailers have gone to the socket; not
+    after reads while a call is open."""
 
     async def run() -> None:
         events: list = []
         server, reader, writer, encoder = await _stream_server(lambda c: _Deferring(c, events))
-        conns: list = []
+        written: list[bool] = []
 
         def after_read() -> None:
             conn = next(iter(server.connections))
-            conns.append(not conn._out)  # answers written?
-            events.append(("read",))
+            written.append(not conn._out)  # answers and trailers written?
+            events.append(("read", server.calls))
 
         server.after_read = after_read
+        writer.write(_PREFACE + _frame(_SETTINGS, 0, 0))  # no call yet: a quiet read
+        for _ in range(100):
+            if events:
+                break
+            await asyncio.sleep(0.02)
+        assert events == [("read", 0)]
         writer.write(
-            _PREFACE
-            + _frame(_SETTINGS, 0, 0)
-            + _frame(_HEADERS, 0x4, 1, _stream_headers(encoder))
+            _frame(_HEADERS, 0x4, 1, _stream_headers(encoder))
             + _frame(_DATA, 0, 1, _grpc_messages("a", "b"))
         )
         assert await _read_answers(reader, 1, 2) == ["a", "b"]
-        for _ in range(100):
-            if ("read",) in events:
-                break
-            await asyncio.sleep(0.02)
-        n = len(conns)
         writer.write(_frame(_DATA, 0, 1, _grpc_messages("c")))
         assert await _read_answers(reader, 1, 1) == ["c"]
+        assert [e for e in events if e[0] == "read"] == [("read", 0)]  # the call is open
+        writer.write(_frame(_DATA, 0x1, 1))  # the client's end: the call ends, no call open
+        while True:
+            kind, flags, sid, payload = await _read_frame(reader)
+            if kind == _HEADERS and sid == 1:
+                break
         for _ in range(100):
-            if len(conns) > n:
+            if len(written) == 2:
                 break
             await asyncio.sleep(0.02)
-        assert len(conns) == n + 1 and all(conns)
-        # each read's messages, their bookkeeping, then the hook
-        assert events[-3:] == [("message", "c"), ("after", "c", True), ("read",)]
+        assert written == [True, True]
+        assert events[-3:] == [("after", "c", True), ("end",), ("read", 0)]
         writer.close()
         await server.stop()
 

@@ -445,8 +445,9 @@ class Http2Connection(asyncio.Protocol):
                 self._flush()
             if self._after:
                 self._run_after()
-            if self.server.after_read is not None:
-                self.server.after_read()
+            server = self.server
+            if server.after_read is not None and not server.calls:
+                server.after_read()
 
     def _data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -719,8 +720,9 @@ class GrpcServer:
         self.connections: set[Http2Connection] = set()
         self.calls = 0  # calls running
         self.stopping = False
-        # called at the end of every read's callback, its answers written and its
-        # after-answers work done (the EPP's garbage collection: epp/idle_gc.py)
+        # called at the end of a read that leaves no call open, its answers written and its
+        # after-answers work done: a quiet moment, no call waits on us or on the peer's next
+        # message (the EPP's garbage collection: epp/idle_gc.py)
         self.after_read: Callable[[], object] | None = None
         self._server: asyncio.Server | None = None
 

@@ -12,11 +12,13 @@ delays only the messages that arrive while it runs.
 Garbage without cycles is freed by reference counting as always; only cyclic garbage waits
 for the next tick (``interval_s``).
 
-The EPP's transport also checks after each read of Envoy's connections (:meth:`after_read`,
-once that read's answers are written): while such reads come, collections happen there and
-the timer ticks every ``fed_interval_s`` instead. A tick is a wake-up of its own: every 20 ms
-they cost the idle process ~11 ms of CPU a second on machine C (13.3-14.7 vs 2.7-3.3 ms/s
-with a 1 s tick), ~0.05 ms per request at 200 req/s.
+The EPP's transport also checks after a read of Envoy's connections that leaves no ext_proc
+call open (:meth:`after_read`, that read's answers written: no request waits on the EPP or on
+Envoy's next message, as a collection right after any read would often make one wait): while
+such reads come, collections happen there and the timer ticks every ``fed_interval_s``
+instead. A tick is a wake-up of its own: every 20 ms they cost the idle process ~11 ms of CPU
+a second on machine C (13.3-14.7 vs 2.7-3.3 ms/s with a 1 s tick), ~0.05 ms per request at
+200 req/s.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class IdleCollector:
         return gen
 
     def after_read(self) -> None:
-        """A loop callback has done its work (the EPP transport's read, its answers written):
-        collect now if a generation is due; the timer sleeps longer while these come."""
+        """A quiet moment (the EPP transport's read that left no call open, its answers
+        written): collect now if a generation is due; the timer sleeps longer while these
+        come."""
         if self._timer is not None:
             self._fed = True
             self.collect_due()

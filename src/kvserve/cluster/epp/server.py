@@ -149,8 +149,9 @@ class EndpointPicker:
             del self._addresses[address]
 
     def after_reads(self, fn: Callable[[], object]) -> bool:
-        """``fn()`` at the end of each read of the gateway's connections, once its answers
-        are written (the loop transport); False where the transport has no such hook."""
+        """``fn()`` at the end of each read of the gateway's connections that leaves no
+        call open, once its answers are written (the loop transport); False where the
+        transport has no such hook."""
         if not isinstance(self._server, GrpcServer):
             return False
         self._server.after_read = fn
