@@ -704,9 +704,14 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
         if "hop_ttft_p90" in qual:
             hop, rest = qual["hop_ttft_p90"], qual["ext_proc_ttft_p90"]
             hop_t, rest_t = qual["hop_throughput"], qual["ext_proc_throughput"]
+            base = (  # with --router-via-envoy the hop arm is the same front end: A/A
+                "a second run of it per round (an A/A control: the same front end twice)"
+                if args.router_via_envoy
+                else "the HTTP router alone"
+            )
             verdict.append(
                 "- The same rounds, the HTTP router behind the same Envoy (its listener without "
-                f"ext_proc) over the HTTP router alone: TTFT p90 {hop['geomean']:.3f}x "
+                f"ext_proc) over {base}: TTFT p90 {hop['geomean']:.3f}x "
                 f"({hop['ci95'][0]:.3f}-{hop['ci95'][1]:.3f}), throughput "
                 f"{hop_t['geomean']:.3f}x ({hop_t['ci95'][0]:.3f}-{hop_t['ci95'][1]:.3f}); "
                 "Envoy + EPP over the HTTP router behind Envoy: TTFT p90 "
@@ -863,8 +868,13 @@ def report(args, over: list[dict], qual: dict | None, sizes: dict | None, elapse
                 else ""
             )
             + (
-                "A third front end runs in the same rounds (`--hop-arm`): the HTTP router "
-                "behind the same Envoy's listener without ext_proc, i.e. Envoy's hop alone. "
+                (
+                    "A third front end runs in the same rounds (`--hop-arm`): the HTTP router "
+                    "behind the same Envoy's listener without ext_proc, i.e. Envoy's hop alone. "
+                    if not args.router_via_envoy
+                    else "A third run per round (`--hop-arm`) repeats the HTTP router behind "
+                    "Envoy: an A/A control (the spread of two runs of one front end). "
+                )
                 if args.hop_arm
                 else ""
             )
