@@ -93,17 +93,17 @@ def test_a_read_racing_with_the_reuse_of_its_file_is_a_miss(
     and B's file (A's old inode under B's name) is not removed."""
     (a, b), (pa, pb) = chunks(2, seed=3)
     assert fs.put([a], [pa]) == [True]
-    read = fs_module.read_to_end
+    read = fs_module.preadv_until_full
     raced: list[int] = []
 
-    def reuse_then_read(fd: int, bufs: list, offset: int) -> int:
+    def reuse_then_read(fd: int, views: list, offset: int) -> int:
         if not raced:
             raced.append(os.fstat(fd).st_ino)
             assert fs._retire(fs.path_of(a))  # evicted (a spare) ...
             assert fs.put([b], [pb]) == [True]  # ... and taken by B's write
-        return read(fd, bufs, offset)
+        return read(fd, views, offset)
 
-    monkeypatch.setattr(fs_module, "read_to_end", reuse_then_read)
+    monkeypatch.setattr(fs_module, "preadv_until_full", reuse_then_read)
     assert fs.get([a], outs_for(1)) == [False]
     monkeypatch.undo()
     assert raced == [os.stat(fs.path_of(b)).st_ino]  # B was written into A's old file

@@ -103,13 +103,21 @@ def pwritev_all(fd: int, bufs: Sequence[memoryview | bytes], offset: int) -> Non
 def preadv_all(fd: int, bufs: Sequence[memoryview | bytearray | mmap.mmap], offset: int) -> bool:
     """``preadv`` until every buffer is full; False when the file ends first."""
     views = [memoryview(b).cast("B") for b in bufs]
+    want = sum(v.nbytes for v in views)
+    return preadv_until_full(fd, views, offset) == want
+
+
+def preadv_until_full(fd: int, views: list[memoryview], offset: int) -> int:
+    """Bytes read into ``views`` (byte views, consumed as they fill) from ``offset`` until they
+    are full or the file ends."""
+    total = 0
     while views:
-        n = os.preadv(fd, views, offset)
+        n = os.preadv(fd, views, offset + total)
         if n <= 0:
-            return False
-        offset += n
+            break
+        total += n
         advance(views, n)
-    return True
+    return total
 
 
 def advance(views: list[memoryview], n: int) -> None:

@@ -82,7 +82,13 @@ from typing import Any
 
 from kvserve.kv.backends import register_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec, payload_digest
-from kvserve.kv.backends.disk import PAGE, advance, parse_o_direct, pwritev_all
+from kvserve.kv.backends.disk import (
+    PAGE,
+    advance,
+    parse_o_direct,
+    preadv_until_full,
+    pwritev_all,
+)
 from kvserve.kv.backends.storage import (
     StorageBackend,
     lower_thread_priority,
@@ -122,21 +128,6 @@ def start_writeback(fd: int) -> None:
     (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; elsewhere nothing: the kernel's own)."""
     if _sync_file_range is not None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-
-
-def read_to_end(fd: int, bufs: list[Any], offset: int) -> int:
-    """Bytes read into ``bufs`` from ``offset`` (their first ``offset`` bytes already
-    filled) until they are full or the file ends."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    advance(views, offset)
-    total = 0
-    while views:
-        n = os.preadv(fd, views, offset + total)
-        if n <= 0:
-            break
-        total += n
-        advance(views, n)
-    return total
 
 
 def _same_file(path: str, st: os.stat_result) -> bool:
@@ -363,8 +354,10 @@ class FsBackend(StorageBackend):
                 done = self._read_cached(fd, bufs)
                 if done < self.stored_bytes:
                     on_wait()  # the rest waits on the device
-            if done < self.stored_bytes:
-                done += read_to_end(fd, bufs, done)
+            if done < self.stored_bytes:  # the rest, after what the page cache gave
+                views = [memoryview(b).cast("B") for b in bufs]
+                advance(views, done)
+                done += preadv_until_full(fd, views, done)
             if done == self.stored_bytes:
                 digest = self.codec.check_header(key, header)
                 if digest is not None and payload_digest(out) == digest:
