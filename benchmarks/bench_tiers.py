@@ -270,6 +270,16 @@ class StorageSwitch:
             self.threaded._writes.shutdown(wait=True)
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_faults_cpu(pid: int | str) -> tuple[int, float]:
+    """(minor page faults, CPU seconds) of process ``pid`` so far (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]), (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 class CpuAccount:
     """CPU seconds by consumer between two snapshots: this process's threads grouped by name
     (the main thread runs the engine; ``native`` = threads unknown to Python: torch's OpenMP
@@ -278,13 +288,11 @@ class CpuAccount:
 
     def __init__(self, pids: dict[str, int] | None = None) -> None:
         self.pids = pids or {}
-        self.tick = os.sysconf("SC_CLK_TCK")
 
-    def _proc_cpu(self, pid: int | str) -> float:
+    @staticmethod
+    def _proc_cpu(pid: int | str) -> float:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                parts = f.read().rsplit(")", 1)[1].split()
-            return (int(parts[11]) + int(parts[12])) / self.tick
+            return proc_faults_cpu(pid)[1]
         except (OSError, IndexError, ValueError):
             return 0.0
 
@@ -296,9 +304,8 @@ class CpuAccount:
         with open("/proc/stat") as f:
             vals = [int(x) for x in f.readline().split()[1:]]
         idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-        tick = os.sysconf("SC_CLK_TCK")
         steal = vals[7] if len(vals) > 7 else 0
-        return (sum(vals[:8]) - idle) / tick, steal / tick
+        return (sum(vals[:8]) - idle) / _CLK_TCK, steal / _CLK_TCK
 
     def snapshot(self) -> dict[str, float]:
         snap: dict[str, float] = {}
@@ -1407,13 +1414,6 @@ def bench_write_cost(st: Setup, args, progress) -> dict:
 
 
 # ------------------------------------------------------------------------------ 4v
-def _proc_faults_cpu(pid: int) -> tuple[int, float]:
-    """(minor page faults, CPU seconds) of process ``pid`` so far (``/proc/PID/stat``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[7]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def bench_valkey_memory(st: Setup, args, progress) -> dict:
     """Measurement 4v: what a Redis-compatible server spends per stored chunk while the redis
     tier writes a stream into it, by phase: filling to ``maxmemory``, the first ``maxmemory``
@@ -1454,7 +1454,7 @@ def bench_valkey_memory(st: Setup, args, progress) -> dict:
                 i = 0
                 next_t = time.perf_counter()
                 for phase in phases:
-                    f0, c0 = _proc_faults_cpu(pid)
+                    f0, c0 = proc_faults_cpu(pid)
                     t0 = time.perf_counter()
                     for _ in range(0, per_phase, batch):
                         keys = [b"%032d" % (i + j) for j in range(batch)]
@@ -1465,7 +1465,7 @@ def bench_valkey_memory(st: Setup, args, progress) -> dict:
                             wait = next_t - time.perf_counter()
                             if wait > 0:
                                 time.sleep(wait)
-                    f1, c1 = _proc_faults_cpu(pid)
+                    f1, c1 = proc_faults_cpu(pid)
                     n = -(-per_phase // batch) * batch
                     out[phase] = {
                         "faults_per_chunk": (f1 - f0) / n,
