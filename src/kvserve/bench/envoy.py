@@ -320,11 +320,16 @@ def _observer(spec: EnvoySpec) -> dict[str, Any]:
         "metadata_options": {"forwarding_namespaces": {"untyped": forwarding}},
         **({"response_attributes": ["upstream.address"]} if spec.served_attribute else {}),
     }
+    _forward_only(config, spec)
+    return {"name": "kvserve.response_observer", "typed_config": config}
+
+
+def _forward_only(config: dict[str, Any], spec: EnvoySpec) -> None:
+    """An ext_proc filter's ``config`` sends the EPP only ``spec.forward_headers`` (if set)."""
     if spec.forward_headers is not None:
         config["forward_rules"] = {
             "allowed_headers": {"patterns": [{"exact": h} for h in spec.forward_headers]}
         }
-    return {"name": "kvserve.response_observer", "typed_config": config}
 
 
 # Observe: the served address is for the EPP's observer; removed after it (encoder filters run
@@ -395,10 +400,7 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
         ext_proc["typed_config"]["grpc_service"]["initial_metadata"] = [
             {"key": OBSERVED_METADATA, "value": "1"}
         ]
-    if spec.forward_headers is not None:
-        ext_proc["typed_config"]["forward_rules"] = {
-            "allowed_headers": {"patterns": [{"exact": h} for h in spec.forward_headers]}
-        }
+    _forward_only(ext_proc["typed_config"], spec)
     pool = {
         "name": "pool",
         "type": "ORIGINAL_DST",
