@@ -127,6 +127,18 @@ def _endpoints(epp: str) -> list[dict]:
     return httpx.get(epp + "/router/state", timeout=10, trust_env=False).json()["endpoints"]
 
 
+def _metrics_once_streams_end(epp: str, timeout: float = 10.0) -> str:
+    """The EPP's ``/metrics`` once no ext_proc stream is open, or at ``timeout`` (observed
+    responses: Envoy ends the observer streams ``deferred_close_timeout`` after their
+    requests)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(epp + "/metrics", timeout=10, trust_env=False).text
+        if "kvserve_router_epp_streams 0.0" in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
 def _health(port: int, service: str) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = health_pb2_grpc.HealthStub(ch)
@@ -390,12 +402,7 @@ def test_streams_hold_their_count_then_shed_then_release_on_disconnect(tmp_path,
             while in_flight() != [0, 0] and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert in_flight() == [0, 0]
-            deadline = time.monotonic() + 10  # (observed: Envoy ends the observer streams
-            while True:  # deferred_close_timeout after their requests)
-                metrics = httpx.get(epp + "/metrics", timeout=10, trust_env=False).text
-                if "kvserve_router_epp_streams 0.0" in metrics or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
+            metrics = _metrics_once_streams_end(epp)
             assert 'kvserve_router_rejected_total{status="429"} 1.0' in metrics
             assert "kvserve_router_epp_streams 0.0" in metrics
 
@@ -593,10 +600,7 @@ def test_observed_responses_the_response_path_waits_for_no_epp(tmp_path):
                 assert next(pieces).startswith(b"data: ")
                 assert in_flight() == 1
             settle()  # the client went away 10 s before the stream's end
-            deadline = time.monotonic() + 10  # the observer streams close 1 s after theirs
-            while "kvserve_router_epp_streams 0.0" not in metrics():
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            assert "kvserve_router_epp_streams 0.0" in _metrics_once_streams_end(epp)
 
 
 def test_observed_responses_envoys_own_5xx_probes_the_endpoint(tmp_path):
