@@ -40,10 +40,15 @@ def test_a_full_server_reuses_evicted_values_memory(redis_server_factory):
     assert faults < VALUE_BYTES / PAGE / 8, f"{faults:.1f} page faults per stored value"
 
 
-def test_glibc_malloc_defaults_fault_every_page_of_the_first_turnover(redis_server_factory):
-    """Why the launcher sets the tunables: the same server with glibc's defaults."""
+def test_glibc_malloc_defaults_fault_fresh_pages_through_the_first_turnover(
+    redis_server_factory,
+):
+    """Why the launcher sets the tunables: the same server with glibc's defaults faults in
+    fresh pages for most values of the first turnover (measured 64-128 faults per 128-page
+    value: glibc's dynamic mmap threshold moves at the first free, so a run may land half its
+    values in reused heap), against next to none with them (the test above: < 16)."""
     srv = redis_server_factory(maxmemory=MAXMEMORY, reuse_freed_memory=False)
     if not srv.client().info("memory")["mem_allocator"].startswith("libc"):
         return  # another allocator (jemalloc): the glibc tunables do not apply to it
     faults = faults_per_value_after_full(srv)
-    assert faults > VALUE_BYTES / PAGE / 2, f"{faults:.1f} page faults per stored value"
+    assert faults > VALUE_BYTES / PAGE / 4, f"{faults:.1f} page faults per stored value"
