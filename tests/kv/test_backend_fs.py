@@ -482,14 +482,19 @@ def _drop_cached(path: str) -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("size", ["exact", "one_byte_short", "one_byte_long", "header_only"])
-def test_a_chunk_file_of_the_wrong_size_is_a_miss_warm_or_cold(make, size: str) -> None:
+def test_a_chunk_file_of_the_wrong_size_is_a_miss_warm_or_cold(
+    make, size: str, native: bool
+) -> None:
     """A read tells a file's size from its own count (no fstat): a file one byte short or one
     byte long, or only a header, is a counted miss and removed, from the page cache and from
     the device; an intact file comes back byte for byte either way, and a read that has to
-    wait on the device says so once (``on_wait``)."""
+    wait on the device says so once (``on_wait``). Both read paths: the native group read
+    and the one in Python."""
     for cold in (False, True):
         b = make()
+        b.native_read = native
         keys, payloads = chunks(1, seed=int(cold))
         assert b.put(keys, payloads) == [True]
         path = b.path_of(keys[0])

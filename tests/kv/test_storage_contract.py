@@ -22,7 +22,8 @@ from kvserve.kv.backends import create_backend
 from kvserve.kv.backends.chunk_format import HEADER_BYTES, ChunkCodec
 from kvserve.kv.backends.storage import StorageBackend
 
-BACKENDS = ["disk", "fs", "redis"]
+# fs-python: the fs tier reading each file in Python, where its native group read is not built.
+BACKENDS = ["disk", "fs", "fs-python", "redis"]
 SHARED_BACKENDS = ["fs", "redis"]  # written by several processes at once
 # Tiers that bound their own size; a Redis server evicts by its own policy (test_backend_redis).
 SELF_EVICTING = ["disk", "fs"]
@@ -53,9 +54,12 @@ class Harness:
     options: Callable[[int], dict[str, Any]]  # room for n chunks -> backend options
     tamper: Callable[[Any, bytes, Callable[[bytes], bytes]], None]
     made: list[StorageBackend] = field(default_factory=list)
+    python_read: bool = False  # fs: its reads in Python (as without the C extension)
 
     def make(self, capacity: int = 64, codec: ChunkCodec = CODEC, **extra: Any) -> Any:
         backend = create_backend(self.name, codec, **{**self.options(capacity), **extra})
+        if self.python_read:
+            backend.native_read = False
         self.made.append(backend)
         return backend
 
@@ -96,11 +100,12 @@ def _harness(name: str, request: pytest.FixtureRequest, root: Path) -> Harness:
         return Harness(
             "disk", lambda n: {"path": str(root / "disk"), "size": f"{n * slot}B"}, _tamper_disk
         )
-    if name == "fs":
+    if name in ("fs", "fs-python"):
         return Harness(
             "fs",
             lambda n: {"path": str(root / "fs"), "size": f"{n * CODEC.stored_bytes}B"},
             _tamper_fs,
+            python_read=name == "fs-python",
         )
     if name == "redis":
         # A server per test; room for n chunks: a watermark above what it holds empty.

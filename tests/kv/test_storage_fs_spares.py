@@ -17,6 +17,7 @@ from kvserve.kv.backends import create_backend
 from kvserve.kv.backends import fs as fs_module
 from kvserve.kv.backends.chunk_format import ChunkCodec
 from kvserve.kv.backends.fs import FsBackend
+from tests.kv.conftest import drop_cached
 
 CODEC = ChunkCodec("0123456789abcdef", "L2-B16-H2-D32-bfloat16-k2", payload_bytes=64 << 10)
 STORED = CODEC.stored_bytes
@@ -33,10 +34,11 @@ def outs_for(n: int) -> list[memoryview]:
 
 
 @pytest.fixture
-def fs(tmp_path: Path) -> Iterator[FsBackend]:
-    """A tier of 40 chunks, swept when the test asks: spares for 15% of it (6 files)."""
+def fs(device_dir: Path) -> Iterator[FsBackend]:
+    """A tier of 40 chunks, swept when the test asks: spares for 15% of it (6 files); its
+    pages can be dropped (:func:`drop_cached`)."""
     tier = create_backend(
-        "fs", CODEC, path=str(tmp_path / "fs"), size=f"{40 * STORED}B", sweep_interval=3600,
+        "fs", CODEC, path=str(device_dir), size=f"{40 * STORED}B", sweep_interval=3600,
         sweep_after=0,
     )  # fmt: skip
     yield tier
@@ -85,28 +87,37 @@ def test_spares_over_the_limit_or_of_another_size_are_deleted(fs: FsBackend) -> 
     assert len(left) == 6 and all(p.stat().st_size == STORED for p in left)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 def test_a_read_racing_with_the_reuse_of_its_file_is_a_miss(
-    fs: FsBackend, monkeypatch: pytest.MonkeyPatch
+    fs: FsBackend, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     """A reader opened chunk A's file; before it reads, A is evicted and its file reused for
     chunk B. The read fails verification (B's header), and is a miss: not counted corrupt,
-    and B's file (A's old inode under B's name) is not removed."""
+    and B's file (A's old inode under B's name) is not removed. The race is made: A's file
+    is not cached, and the read's ``on_wait`` (native: called once the file is open) or its
+    read of the rest (Python) evicts A and writes B first."""
+    fs.native_read = native
     (a, b), (pa, pb) = chunks(2, seed=3)
     assert fs.put([a], [pa]) == [True]
+    inode = os.stat(fs.path_of(a)).st_ino
+    drop_cached(fs, [a])
     read = fs_module.preadv_until_full
     raced: list[int] = []
 
-    def reuse_then_read(fd: int, views: list, offset: int) -> int:
+    def reuse() -> None:
         if not raced:
-            raced.append(os.fstat(fd).st_ino)
+            raced.append(1)
             assert fs._retire(fs.path_of(a))  # evicted (a spare) ...
             assert fs.put([b], [pb]) == [True]  # ... and taken by B's write
+
+    def reuse_then_read(fd: int, views: list, offset: int) -> int:
+        reuse()
         return read(fd, views, offset)
 
     monkeypatch.setattr(fs_module, "preadv_until_full", reuse_then_read)
-    assert fs.get([a], outs_for(1)) == [False]
+    assert fs.get([a], outs_for(1), on_wait=reuse if native else None) == [False]
     monkeypatch.undo()
-    assert raced == [os.stat(fs.path_of(b)).st_ino]  # B was written into A's old file
+    assert raced and inode == os.stat(fs.path_of(b)).st_ino  # B was written into A's old file
     assert fs.stats.corrupt == 0 and fs.stats.misses == 1
     out = outs_for(1)
     assert fs.get([b], out) == [True] and bytes(out[0]) == bytes(pb)

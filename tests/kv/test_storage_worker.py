@@ -6,8 +6,6 @@ duty cycle."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ import pytest
 from kvserve.kv.backends import chunk_format, create_backend
 from kvserve.kv.backends.chunk_format import ChunkCodec
 from kvserve.kv.offload.storage_worker import ReadItem, StorageResult, StorageWorker, read_groups
+from tests.kv.conftest import drop_cached
 
 CODEC = ChunkCodec(
     model="0123456789abcdef", layout="L2-B16-H2-D32-bfloat16-k2", payload_bytes=1 << 16
@@ -136,35 +135,11 @@ def test_staging_read_in_groups_in_the_io_threads(tiers, make_worker) -> None:
 
 
 @pytest.fixture
-def device_fs() -> Iterator[Any]:
-    """An fs tier on a device-backed file system (/var/tmp; tmpfs keeps every page cached),
-    whose chunks' pages :func:`drop_cached` can drop."""
-    root = tempfile.mkdtemp(prefix="kvserve-test-", dir="/var/tmp")
-    fs = create_backend("fs", CODEC, path=root, size="8MiB", sweep=False)
+def device_fs(device_dir: Path) -> Iterator[Any]:
+    """An fs tier whose chunks' pages :func:`drop_cached` can drop."""
+    fs = create_backend("fs", CODEC, path=str(device_dir), size="8MiB", sweep=False)
     yield fs
     fs.close()
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def drop_cached(fs: Any, keys: list[bytes]) -> None:
-    """Write the chunks' files back and drop their pages: a read goes to the device. A page
-    still in another CPU's LRU batch survives ``POSIX_FADV_DONTNEED`` (the kernel drains only
-    the calling CPU's): asked again until the file's first page is gone."""
-    for k in keys:
-        fd = os.open(fs.path_of(k), os.O_RDONLY)
-        try:
-            for _ in range(100):
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                try:
-                    os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
-                except BlockingIOError:
-                    break
-                time.sleep(0.01)
-            else:
-                pytest.fail("this file system keeps the chunks' pages cached")
-        finally:
-            os.close(fd)
 
 
 def recorded_gets(tier: Any, calls: list[str], hold_s: float) -> None:
@@ -213,11 +188,14 @@ def test_a_read_that_waits_on_the_device_spreads(device_fs, make_worker) -> None
     assert len(calls) == 8 and len(set(calls)) > 1, calls
 
 
-def test_fs_read_continues_after_the_cached_part(device_fs) -> None:
-    """The fs tier reads what the page cache holds without waiting, says so before waiting
-    for the rest, and verifies the whole chunk either way: a fully cached chunk never calls
-    ``on_wait``; a file with only its first page cached is read whole (the header from the
-    cache, the payload from the device); a bit flipped in the uncached part is a miss."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_fs_read_continues_after_the_cached_part(device_fs, native: bool) -> None:
+    """The fs tier reads what the page cache holds without waiting, says so once per call
+    before waiting for the rest, and verifies the whole chunk either way: fully cached chunks
+    never call ``on_wait``; a file with only its first page cached is read whole (the header
+    from the cache, the payload from the device); a bit flipped in the uncached part is a
+    miss. Both read paths: the native group read and the one in Python."""
+    device_fs.native_read = native
     keys, payloads = chunks(3)
     assert device_fs.put(keys, payloads) == [True] * 3
     waits: list[int] = []
@@ -235,7 +213,7 @@ def test_fs_read_continues_after_the_cached_part(device_fs) -> None:
         os.close(fd)
     outs = [memoryview(bytearray(CODEC.payload_bytes)) for _ in keys]
     assert device_fs.get(keys, outs, on_wait=lambda: waits.append(1)) == [True, True, False]
-    assert len(waits) == 3
+    assert len(waits) == 1
     assert [bytes(o) for o in outs[:2]] == [bytes(p) for p in payloads[:2]]
     assert device_fs.stats.corrupt == 1 and not os.path.exists(path)
 

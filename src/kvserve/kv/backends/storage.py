@@ -123,7 +123,8 @@ class StorageBackend(ABC):
         """Read and verify each chunk's payload into ``outs[i]`` (``payload_bytes`` each).
         False: a miss (absent, corrupt — then removed —, or an I/O error); ``outs[i]`` may
         then hold garbage and must not be used. A tier with :attr:`page_cache_reads` also
-        takes ``on_wait`` (a callable, or None), called before a read that has to wait."""
+        takes ``on_wait`` (a callable, or None), called once per call, before the first read
+        that has to wait."""
 
     @abstractmethod
     def put(
