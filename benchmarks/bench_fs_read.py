@@ -1,0 +1,163 @@
+"""The fs tier's staging read from the page cache, its C read vs its Python read, in a process
+with nothing else in it: the storage worker (two page-cache reading threads, groups of
+contiguous chunks) over one fs tier, no engine.
+
+Per round, interleaved, the order alternating: a plain read of the same files (open / preadv /
+close, two threads), the tier's C read (``_fs_read``: a call's files read and hashed without
+the GIL) and its Python read (three GIL releases per file), each with this process's main
+thread idle (waiting for the result) and busy (pure Python until the result comes, polling
+every 2 ms: an engine thread between torch calls at its most GIL-bound, which gives the GIL
+up only at the switch interval). Reported: medians and the median of per-round ratios.
+
+``benchmarks/bench_tiers.py`` measurement 3 / 3' run the same reads inside an engine's
+process (a model loaded, the writer process, its threads).
+
+Usage: python benchmarks/bench_fs_read.py [--rounds 25] [--chunks 63]
+Results: benchmarks/results/fs_read.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from rich.progress import track
+
+from kvserve.bench.machine import describe_machine, machine_markdown
+from kvserve.kv.backends import create_backend
+from kvserve.kv.backends.chunk_format import ChunkCodec
+from kvserve.kv.backends.fs import NATIVE_HASH, NATIVE_READ
+from kvserve.kv.offload.storage_worker import ReadItem, StorageWorker
+
+RESULTS = Path(__file__).parent / "results"
+CHUNK_BYTES = 768 << 10  # the `small` preset's 64-token chunk
+BUSY_STEP_S = 0.002
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--chunks", type=int, default=63, help="a 4000-token prompt of `small`")
+    ap.add_argument("--out", default="fs_read", help="results basename")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    if not NATIVE_READ:
+        raise SystemExit("the C extension _fs_read was not built (pip install -e .)")
+
+    codec = ChunkCodec("0123456789abcdef", "bench-fs-read", payload_bytes=CHUNK_BYTES)
+    root = tempfile.mkdtemp(prefix="kvserve-bench-fs-read-", dir="/var/tmp")
+    tier = create_backend("fs", codec, path=root, size="2GiB", sweep=False)
+    worker = StorageWorker([tier], io_threads=4)
+    n = args.chunks
+    keys = [os.urandom(32) for _ in range(n)]
+    payload = memoryview(mmap.mmap(-1, CHUNK_BYTES))
+    payload[:] = os.urandom(CHUNK_BYTES)
+    assert tier.put(keys, [payload] * n) == [True] * n
+    paths = [tier.path_of(k) for k in keys]
+
+    def dest() -> list[memoryview]:  # page-aligned, faulted in once, reused every round
+        m = memoryview(mmap.mmap(-1, n * codec.stored_bytes))
+        m[:] = b"\1" * len(m)
+        return [m[i * codec.stored_bytes : (i + 1) * codec.stored_bytes] for i in range(n)]
+
+    pool = ThreadPoolExecutor(worker.cached_read_threads)
+
+    def plain(outs: list[memoryview]) -> float:
+        def one(i: int) -> None:
+            fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.preadv(fd, [outs[i]], 0)
+            finally:
+                os.close(fd)
+
+        t = time.perf_counter()
+        list(pool.map(one, range(n)))
+        return n * CHUNK_BYTES / (time.perf_counter() - t) / 1e9
+
+    def tier_read(outs: list[memoryview], native: bool, busy: bool) -> float:
+        tier.native_read = native
+        items = [ReadItem(0, k, o[: codec.payload_bytes]) for k, o in zip(keys, outs, strict=True)]
+        worker.read(items)
+        while True:
+            if busy:
+                end = time.perf_counter() + BUSY_STEP_S
+                while time.perf_counter() < end:
+                    pass
+            else:
+                worker.wait_any(1.0)
+            for r in worker.poll():
+                assert all(r.ok)
+                return r.nbytes / r.seconds / 1e9
+
+    kinds = {
+        "plain": lambda o: plain(o),
+        "c": lambda o: tier_read(o, True, False),
+        "python": lambda o: tier_read(o, False, False),
+        "c_busy": lambda o: tier_read(o, True, True),
+        "python_busy": lambda o: tier_read(o, False, True),
+    }
+    outs = {k: dest() for k in kinds}
+    for k, f in kinds.items():  # warm: files cached, threads started
+        f(outs[k])
+    rows: dict[str, list[float]] = {k: [] for k in kinds}
+    order = list(kinds)
+    for r in track(range(args.rounds), description="fs reads"):
+        for k in order if r % 2 == 0 else order[::-1]:
+            rows[k].append(kinds[k](outs[k]))
+    worker.shutdown()
+    pool.shutdown()
+    tier.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rows[a], rows[b], strict=True))
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    res = {
+        "machine": describe_machine(),
+        "args": {k: v for k, v in vars(args).items() if k != "results_dir"},
+        "native_hash": NATIVE_HASH,
+        "cached_read_threads": worker.cached_read_threads,
+        "GB_s": rows,
+        "median_GB_s": med,
+        "c_over_plain": ratio("c", "plain"),
+        "python_over_plain": ratio("python", "plain"),
+        "c_over_python": ratio("c", "python"),
+        "busy_c_over_python": ratio("c_busy", "python_busy"),
+    }
+    md = report(res)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    (args.results_dir / f"{args.out}.json").write_text(json.dumps(res, indent=1, default=str))
+    (args.results_dir / f"{args.out}.md").write_text(md)
+    print(md)
+    return res
+
+
+def report(res: dict) -> str:
+    m = res["median_GB_s"]
+    return (
+        "# The fs tier's read from the page cache: C vs Python, no engine\n\n"
+        + machine_markdown(res["machine"])
+        + f"\nCommand: `python benchmarks/bench_fs_read.py`; args: `{json.dumps(res['args'])}`; "
+        f"{res['cached_read_threads']} reading threads; {CHUNK_BYTES >> 10} KiB chunks\n\n"
+        "| read | main thread idle: GB/s | / plain read | main thread in Python: GB/s |\n"
+        "| --- | --- | --- | --- |\n"
+        f"| plain (open / preadv / close) | {m['plain']:.2f} | 1 | - |\n"
+        f"| tier, C read | {m['c']:.2f} | {res['c_over_plain']:.2f} | {m['c_busy']:.2f} |\n"
+        f"| tier, Python read | {m['python']:.2f} | {res['python_over_plain']:.2f} | "
+        f"{m['python_busy']:.2f} |\n\n"
+        f"C read / Python read, median of per-round ratios: idle {res['c_over_python']:.2f}x, "
+        f"main thread in Python {res['busy_c_over_python']:.1f}x.\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
