@@ -1,6 +1,7 @@
-"""The fs tier's staging read from the page cache, its C read vs its Python read, in a process
-with nothing else in it: the storage worker (two page-cache reading threads, groups of
-contiguous chunks) over one fs tier, no engine.
+"""The fs tier's staging read from the page cache, its C read vs its Python read: the storage
+worker (two page-cache reading threads, groups of contiguous chunks) over one fs tier, in a
+process with nothing else in it, or (``--engine``) an engine's own storage worker with the
+engine in the process (the ``tiny`` model, a host tier and an fs tier, its writer process).
 
 Per round, interleaved, the order alternating: a plain read of the same files (open / preadv /
 close, two threads), the tier's C read (``_fs_read``: a call's files read and hashed without
@@ -12,8 +13,8 @@ up only at the switch interval). Reported: medians and the median of per-round r
 ``benchmarks/bench_tiers.py`` measurement 3 / 3' run the same reads inside an engine's
 process (a model loaded, the writer process, its threads).
 
-Usage: python benchmarks/bench_fs_read.py [--rounds 25] [--chunks 63]
-Results: benchmarks/results/fs_read.{md,json}.
+Usage: python benchmarks/bench_fs_read.py [--rounds 25] [--chunks 63] [--engine]
+Results: benchmarks/results/fs_read.{md,json} (fs_read_engine with --engine).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import json
 import mmap
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -42,26 +44,82 @@ CHUNK_BYTES = 768 << 10  # the `small` preset's 64-token chunk
 BUSY_STEP_S = 0.002
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=25)
-    ap.add_argument("--chunks", type=int, default=63, help="a 4000-token prompt of `small`")
-    ap.add_argument("--out", default="fs_read", help="results basename")
-    ap.add_argument("--results-dir", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-    if not NATIVE_READ:
-        raise SystemExit("the C extension _fs_read was not built (pip install -e .)")
-
+def bare_setup(args) -> tuple:
+    """A storage worker over one fs tier holding ``--chunks`` chunks of the ``small`` preset's
+    size: (worker, tier, keys, codec, close)."""
     codec = ChunkCodec("0123456789abcdef", "bench-fs-read", payload_bytes=CHUNK_BYTES)
     root = tempfile.mkdtemp(prefix="kvserve-bench-fs-read-", dir="/var/tmp")
     tier = create_backend("fs", codec, path=root, size="2GiB", sweep=False)
     worker = StorageWorker([tier], io_threads=4)
-    n = args.chunks
-    keys = [os.urandom(32) for _ in range(n)]
+    keys = [os.urandom(32) for _ in range(args.chunks)]
     payload = memoryview(mmap.mmap(-1, CHUNK_BYTES))
     payload[:] = os.urandom(CHUNK_BYTES)
-    assert tier.put(keys, [payload] * n) == [True] * n
+    assert tier.put(keys, [payload] * len(keys)) == [True] * len(keys)
+
+    def close() -> None:
+        worker.shutdown()
+        tier.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    return worker, tier, keys, codec, close
+
+
+def engine_setup(args) -> tuple:
+    """An engine (the ``tiny`` model, made here) with a host tier and an fs tier, after one
+    prompt of ``--engine-prompt`` tokens: its own storage worker (writer process included)
+    and the prompt's chunks in the fs tier."""
+    from kvserve.engine.llm import LLM
+    from kvserve.engine.sampling_params import SamplingParams
+    from kvserve.model.presets import make_model
+
+    tmp = tempfile.mkdtemp(prefix="kvserve-bench-fs-read-", dir="/var/tmp")
+    model = make_model(Path(tmp) / "model", preset="tiny")
+    llm = LLM(
+        model=str(model),
+        kv_offload_size=0.25,
+        kv_offload_block_size=64,
+        kv_tier=[f"fs:path={tmp}/fs,size=1GiB"],
+    )
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000) for _ in range(args.engine_prompt)]
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    conn = llm.engine.connector
+    keys = list(conn.manager._entries)
+    tier = conn.tiers[0]
+    deadline = time.monotonic() + 30
+    while tier.exists(keys) < len(keys):  # the cascade's writes land
+        assert time.monotonic() < deadline, "the fs tier did not get the prompt's chunks"
+        time.sleep(0.05)
+
+    def close() -> None:
+        llm.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    return conn.storage, tier, keys, tier.codec, close
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--chunks", type=int, default=63, help="a 4000-token prompt of `small`")
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="read through an engine's own storage worker, the engine in this process",
+    )
+    ap.add_argument("--engine-prompt", type=int, default=2000, help="tokens (--engine)")
+    ap.add_argument("--out", default=None, help="results basename (fs_read, fs_read_engine)")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    args.out = args.out or ("fs_read_engine" if args.engine else "fs_read")
+    if not NATIVE_READ:
+        raise SystemExit("the C extension _fs_read was not built (pip install -e .)")
+
+    setup = engine_setup if args.engine else bare_setup
+    worker, tier, keys, codec, close = setup(args)
+    n = len(keys)
     paths = [tier.path_of(k) for k in keys]
+    chunk_bytes = codec.payload_bytes
 
     def dest() -> list[memoryview]:  # page-aligned, faulted in once, reused every round
         m = memoryview(mmap.mmap(-1, n * codec.stored_bytes))
@@ -80,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         t = time.perf_counter()
         list(pool.map(one, range(n)))
-        return n * CHUNK_BYTES / (time.perf_counter() - t) / 1e9
+        return n * chunk_bytes / (time.perf_counter() - t) / 1e9
 
     def tier_read(outs: list[memoryview], native: bool, busy: bool) -> float:
         tier.native_read = native
@@ -112,10 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in track(range(args.rounds), description="fs reads"):
         for k in order if r % 2 == 0 else order[::-1]:
             rows[k].append(kinds[k](outs[k]))
-    worker.shutdown()
     pool.shutdown()
-    tier.close()
-    shutil.rmtree(root, ignore_errors=True)
+    close()
 
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(rows[a], rows[b], strict=True))
@@ -125,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": describe_machine(),
         "args": {k: v for k, v in vars(args).items() if k != "results_dir"},
         "native_hash": NATIVE_HASH,
+        "chunks": n,
+        "chunk_bytes": chunk_bytes,
         "cached_read_threads": worker.cached_read_threads,
         "GB_s": rows,
         "median_GB_s": med,
@@ -144,10 +202,12 @@ def main(argv: list[str] | None = None) -> dict:
 def report(res: dict) -> str:
     m = res["median_GB_s"]
     return (
-        "# The fs tier's read from the page cache: C vs Python, no engine\n\n"
+        "# The fs tier's read from the page cache: C vs Python, "
+        + ("through an engine's storage worker\n\n" if res["args"]["engine"] else "no engine\n\n")
         + machine_markdown(res["machine"])
         + f"\nCommand: `python benchmarks/bench_fs_read.py`; args: `{json.dumps(res['args'])}`; "
-        f"{res['cached_read_threads']} reading threads; {CHUNK_BYTES >> 10} KiB chunks\n\n"
+        f"{res['cached_read_threads']} reading threads; {res['chunks']} chunks of "
+        f"{res['chunk_bytes'] >> 10} KiB\n\n"
         "| read | main thread idle: GB/s | / plain read | main thread in Python: GB/s |\n"
         "| --- | --- | --- | --- |\n"
         f"| plain (open / preadv / close) | {m['plain']:.2f} | 1 | - |\n"
