@@ -70,6 +70,24 @@ static void digest_of(const void *buf, size_t len, unsigned char out[16])
     put_be64(out + 8, h.low64);
 }
 
+/* Drop the first ``n`` bytes of the vectors ``*iov`` (``iovcnt`` of them) after a partial
+ * read: *iov moves past the filled ones; returns how many are left. */
+static int advance(struct iovec **iov, int iovcnt, size_t n)
+{
+    struct iovec *v = *iov;
+    while (iovcnt > 0 && n >= v->iov_len) {
+        n -= v->iov_len;
+        v++;
+        iovcnt--;
+    }
+    if (iovcnt > 0) {
+        v->iov_base = (char *)v->iov_base + n;
+        v->iov_len -= n;
+    }
+    *iov = v;
+    return iovcnt;
+}
+
 /* Bytes read from ``fd`` at ``offset`` into ``iov`` (advanced as it fills) until the vectors
  * are full or the file ends; -errno on an error. */
 static long long read_until_full(int fd, struct iovec *iov, int iovcnt, long long offset)
@@ -85,34 +103,9 @@ static long long read_until_full(int fd, struct iovec *iov, int iovcnt, long lon
         if (r == 0)
             break;
         total += r;
-        size_t left = (size_t)r;
-        while (iovcnt > 0 && left >= iov->iov_len) {
-            left -= iov->iov_len;
-            iov++;
-            iovcnt--;
-        }
-        if (iovcnt > 0) {
-            iov->iov_base = (char *)iov->iov_base + left;
-            iov->iov_len -= left;
-        }
+        iovcnt = advance(&iov, iovcnt, (size_t)r);
     }
     return total;
-}
-
-/* Skip ``n`` bytes of ``iov`` (a partial first read). */
-static int skip(struct iovec *iov, int iovcnt, size_t n, struct iovec **out)
-{
-    while (iovcnt > 0 && n >= iov->iov_len) {
-        n -= iov->iov_len;
-        iov++;
-        iovcnt--;
-    }
-    if (iovcnt > 0) {
-        iov->iov_base = (char *)iov->iov_base + n;
-        iov->iov_len -= n;
-    }
-    *out = iov;
-    return iovcnt;
 }
 
 static PyObject *read_files(PyObject *self, PyObject *args)
@@ -196,7 +189,7 @@ static PyObject *read_files(PyObject *self, PyObject *args)
                 r = 0;
             }
             done = r;
-            restcnt = skip(iov, 3, (size_t)done, &rest);
+            restcnt = advance(&rest, restcnt, (size_t)done);
         }
         if (done < want) {
             if (!waited) { /* the rest waits on the device: tell the caller first */
@@ -227,17 +220,17 @@ static PyObject *read_files(PyObject *self, PyObject *args)
 
     result = PyList_New(n);
     for (Py_ssize_t i = 0; result && i < n; i++) {
-        PyObject *pair;
+        PyObject *item;
         if (res[i].hashed)
-            pair = Py_BuildValue("(LKy#)", res[i].count, res[i].ino, (const char *)res[i].digest,
+            item = Py_BuildValue("(LKy#)", res[i].count, res[i].ino, (const char *)res[i].digest,
                                  (Py_ssize_t)16);
         else
-            pair = Py_BuildValue("(LKO)", res[i].count, res[i].ino, Py_None);
-        if (!pair) {
+            item = Py_BuildValue("(LKO)", res[i].count, res[i].ino, Py_None);
+        if (!item) {
             Py_CLEAR(result);
             break;
         }
-        PyList_SET_ITEM(result, i, pair);
+        PyList_SET_ITEM(result, i, item);
     }
 
 done:
