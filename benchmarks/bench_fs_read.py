@@ -26,9 +26,9 @@ import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.progress import track
@@ -39,9 +39,11 @@ from kvserve.kv.backends.chunk_format import ChunkCodec
 from kvserve.kv.backends.fs import NATIVE_HASH, NATIVE_READ
 from kvserve.kv.offload.storage_worker import ReadItem, StorageWorker
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_tiers as tiers  # noqa: E402  (its plain read and its wait for a staging read)
+
 RESULTS = Path(__file__).parent / "results"
 CHUNK_BYTES = 768 << 10  # the `small` preset's 64-token chunk
-BUSY_STEP_S = 0.002
 
 
 def bare_setup(args) -> tuple:
@@ -118,51 +120,28 @@ def main(argv: list[str] | None = None) -> dict:
     setup = engine_setup if args.engine else bare_setup
     worker, tier, keys, codec, close = setup(args)
     n = len(keys)
-    paths = [tier.path_of(k) for k in keys]
-    chunk_bytes = codec.payload_bytes
+    stored = codec.stored_bytes
 
-    def dest() -> list[memoryview]:  # page-aligned, faulted in once, reused every round
-        m = memoryview(mmap.mmap(-1, n * codec.stored_bytes))
-        m[:] = b"\1" * len(m)
-        return [m[i * codec.stored_bytes : (i + 1) * codec.stored_bytes] for i in range(n)]
-
-    pool = ThreadPoolExecutor(worker.cached_read_threads)
-
-    def plain(outs: list[memoryview]) -> float:
-        def one(i: int) -> None:
-            fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.preadv(fd, [outs[i]], 0)
-            finally:
-                os.close(fd)
-
-        t = time.perf_counter()
-        list(pool.map(one, range(n)))
-        return n * chunk_bytes / (time.perf_counter() - t) / 1e9
-
-    def tier_read(outs: list[memoryview], native: bool, busy: bool) -> float:
+    def tier_read(dest: memoryview, native: bool, busy: bool) -> float:
         tier.native_read = native
-        items = [ReadItem(0, k, o[: codec.payload_bytes]) for k, o in zip(keys, outs, strict=True)]
-        worker.read(items)
-        while True:
-            if busy:
-                end = time.perf_counter() + BUSY_STEP_S
-                while time.perf_counter() < end:
-                    pass
-            else:
-                worker.wait_any(1.0)
-            for r in worker.poll():
-                assert all(r.ok)
-                return r.nbytes / r.seconds / 1e9
+        worker.read(
+            [ReadItem(0, k, dest[i * stored : i * stored + codec.payload_bytes])
+             for i, k in enumerate(keys)]
+        )  # fmt: skip
+        r = tiers.await_result(worker, busy)
+        assert all(r.ok)
+        return r.nbytes / r.seconds / 1e9
 
-    kinds = {
-        "plain": lambda o: plain(o),
-        "c": lambda o: tier_read(o, True, False),
-        "python": lambda o: tier_read(o, False, False),
-        "c_busy": lambda o: tier_read(o, True, True),
-        "python_busy": lambda o: tier_read(o, False, True),
+    threads = worker.cached_read_threads
+    kinds = {  # the plain read: bench_tiers' (open / preadv / close, the tier's threads)
+        "plain": lambda d: tiers.raw_read(tier, keys, threads, 1, d) / 1e9,
+        "c": lambda d: tier_read(d, True, False),
+        "python": lambda d: tier_read(d, False, False),
+        "c_busy": lambda d: tier_read(d, True, True),
+        "python_busy": lambda d: tier_read(d, False, True),
     }
-    outs = {k: dest() for k in kinds}
+    # Page-aligned, faulted in once, reused every round: each kind's own.
+    outs = {k: memoryview(tiers._destination(n * stored)) for k in kinds}
     for k, f in kinds.items():  # warm: files cached, threads started
         f(outs[k])
     rows: dict[str, list[float]] = {k: [] for k in kinds}
@@ -170,7 +149,6 @@ def main(argv: list[str] | None = None) -> dict:
     for r in track(range(args.rounds), description="fs reads"):
         for k in order if r % 2 == 0 else order[::-1]:
             rows[k].append(kinds[k](outs[k]))
-    pool.shutdown()
     close()
 
     def ratio(a: str, b: str) -> float:
@@ -182,8 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
         "args": {k: v for k, v in vars(args).items() if k != "results_dir"},
         "native_hash": NATIVE_HASH,
         "chunks": n,
-        "chunk_bytes": chunk_bytes,
-        "cached_read_threads": worker.cached_read_threads,
+        "chunk_bytes": codec.payload_bytes,
+        "cached_read_threads": threads,
         "GB_s": rows,
         "median_GB_s": med,
         "c_over_plain": ratio("c", "plain"),

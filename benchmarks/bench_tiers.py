@@ -666,6 +666,21 @@ def bench_ttft_tiers(st: Setup, args, progress) -> dict:
 BUSY_STEP_S = 0.002  # 3': the engine thread's Python between two polls of the storage worker
 
 
+def await_result(storage: StorageWorker, busy: bool = False) -> Any:
+    """The next result of ``storage`` (an idle engine's: the read just submitted). ``busy``:
+    this thread, the engine's, runs pure Python meanwhile, polling every ``BUSY_STEP_S`` (the
+    GIL released only at the switch interval)."""
+    while True:
+        if busy:  # a step's worth of Python (scheduling, outputs), then a poll
+            end = time.perf_counter() + BUSY_STEP_S
+            while time.perf_counter() < end:
+                pass
+        else:
+            storage.wait_any(1.0)
+        for r in storage.poll():
+            return r
+
+
 def bench_read_ratio(st: Setup, args, progress) -> dict:
     """Measurement 3: the storage worker's read of a prompt's chunks from each tier (what a
     staging read does: groups of contiguous chunks over the I/O threads, each verified) / a
@@ -695,9 +710,8 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
     def tier_read(
         t: int, threads: int = cached_threads, python_read: bool = False, busy: bool = False
     ) -> float:
-        """The storage worker's read of every chunk from tier ``t`` (``busy``: this thread,
-        the engine's, runs pure Python until the result comes, polling for it every
-        ``BUSY_STEP_S``: the GIL released only at the switch interval)."""
+        """The storage worker's read of every chunk from tier ``t`` (``busy``: see
+        :func:`await_result`)."""
         storage.cached_read_threads = threads
         native = getattr(conn.tiers[t], "native_read", None)
         if python_read:
@@ -708,16 +722,9 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
             storage.cached_read_threads = cached_threads
             if python_read:
                 conn.tiers[t].native_read = native
-        while True:  # the engine is idle: this read's result is the only one to come
-            if busy:  # a step's worth of Python (scheduling, outputs), then a poll
-                end = time.perf_counter() + BUSY_STEP_S
-                while time.perf_counter() < end:
-                    pass
-            else:
-                storage.wait_any(1.0)
-            for r in storage.poll():
-                assert r.op_id == op and all(r.ok), (r.op_id, op, r.ok)
-                return r.nbytes / r.seconds
+        r = await_result(storage, busy)  # the engine is idle: this read's is the only one
+        assert r.op_id == op and all(r.ok), (r.op_id, op, r.ok)
+        return r.nbytes / r.seconds
 
     res: dict = {
         "chunks": len(keys),
@@ -745,14 +752,14 @@ def bench_read_ratio(st: Setup, args, progress) -> dict:
         }
         if "raw_c" in bufs:  # and for reference: the tier reading with one thread
             kinds["tier_1"] = lambda t=t: tier_read(t, 1)
+            kinds["raw_c"] = lambda tier=tier, b=bufs["raw_c"]: raw_read(
+                tier, keys, cached_threads, batch, b
+            )
         if getattr(tier, "native_read", False):  # and its read in Python (no C extension)
             kinds["tier_py"] = lambda t=t: tier_read(t, python_read=True)
             if not cold:  # both while the engine's thread runs Python (3')
                 kinds["tier_busy"] = lambda t=t: tier_read(t, busy=True)
                 kinds["tier_py_busy"] = lambda t=t: tier_read(t, python_read=True, busy=True)
-            kinds["raw_c"] = lambda tier=tier, b=bufs["raw_c"]: raw_read(
-                tier, keys, cached_threads, batch, b
-            )
         if "raw_redis_py" in bufs:
             kinds["raw_redis_py"] = lambda tier=tier, b=bufs["raw_redis_py"]: raw_read(
                 tier, keys, io_threads, batch, b, client="redis-py"
