@@ -23,11 +23,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserve.bench.envoy import SUBSET_HEADER, Envoy, EnvoySpec
+from kvserve.bench.envoy import Envoy, EnvoySpec
 from kvserve.bench.local_cluster import ClusterSpec, LocalCluster, free_port
 from kvserve.cluster.config import EndpointSpec, HealthConfig, RouterConfig
 from kvserve.cluster.epp.server import EXT_PROC_SERVICE, EndpointPicker
 from kvserve.cluster.gateway import Router
+from kvserve.cluster.headers import SUBSET_KEY
 from tests.cluster.processes import fake_backends, router_process
 
 pytestmark = pytest.mark.slow
@@ -336,9 +337,9 @@ def test_subset_hint_is_honoured(stack):
     time.sleep(0.5)
     other = next(a for a, n in names.items() if n != home)
     for _ in range(3):  # the prefix is on `home`, the hint allows only `other`
-        r = _complete(envoy.url, body, headers={SUBSET_HEADER: other})
+        r = _complete(envoy.url, body, headers={SUBSET_KEY: other})
         assert _served(r)[0] == names[other]
-    r = _complete(envoy.url, body, headers={SUBSET_HEADER: "10.255.255.1:1"})
+    r = _complete(envoy.url, body, headers={SUBSET_KEY: "10.255.255.1:1"})
     assert r.status_code == 503
     assert r.json()["error"]["type"] == "service_unavailable"
 

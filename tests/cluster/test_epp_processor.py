@@ -18,11 +18,12 @@ from google.protobuf import struct_pb2
 
 from kvserve.bench.envoy import EnvoySpec, bootstrap
 from kvserve.cluster.config import EndpointSpec, RouterConfig
-from kvserve.cluster.epp.processor import (
-    BUFFERED,
+from kvserve.cluster.epp.processor import BUFFERED, FULL_DUPLEX, ExtProcStream, Observers
+from kvserve.cluster.epp.server import EndpointPicker
+from kvserve.cluster.gateway import Router
+from kvserve.cluster.headers import (
     DESTINATION_HEADER,
     FIRST_DESTINATION_HEADER,
-    FULL_DUPLEX,
     LB_NAMESPACE,
     OBSERVER_NAMESPACE,
     REQUEST_HEADERS_READ,
@@ -30,11 +31,7 @@ from kvserve.cluster.epp.processor import (
     SERVED_KEY,
     SUBSET_KEY,
     SUBSET_NAMESPACE,
-    ExtProcStream,
-    Observers,
 )
-from kvserve.cluster.epp.server import EndpointPicker
-from kvserve.cluster.gateway import Router
 
 A, B = "127.0.0.1:18001", "127.0.0.1:18002"
 

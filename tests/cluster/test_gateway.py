@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 
 from kvserve.cluster.config import router_config_from_dict
-from kvserve.cluster.gateway import ENDPOINT_HEADER, Router
+from kvserve.cluster.gateway import Router
+from kvserve.cluster.headers import ENDPOINT_HEADER
 from kvserve.kv.event_publisher import ZmqEventPublisher
 from kvserve.kv.events import AllBlocksCleared, BlockStored
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from kvserve.cluster.cli import add_arguments, config_from_args
-from kvserve.cluster.gateway import ENDPOINT_HEADER
+from kvserve.cluster.headers import ENDPOINT_HEADER
 
 from .fake_openai_backend import FakeBackend
 from .processes import (

@@ -40,21 +40,24 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.local_cluster import free_port
+from kvserve.cluster.config import RouterConfig
+from kvserve.cluster.headers import (
+    DESTINATION_HEADER,
+    ENDPOINT_HEADER,
+    FIRST_DESTINATION_HEADER,
+    LB_NAMESPACE,
+    OBSERVED_METADATA,
+    OBSERVER_NAMESPACE,
+    REQUEST_HEADERS_READ,
+    RESPONSE_HEADERS_READ,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-FIRST_DESTINATION_HEADER = "x-kvserve-destination-endpoint"  # the EPP's first address alone
-SERVED_HEADER = "x-gateway-destination-endpoint-served"
-SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
-ENDPOINT_HEADER = "x-kvserve-endpoint"  # to the client: who served (the HTTP router's header)
-# Observed responses (kvserve.cluster.epp.processor): the picking stream's gRPC metadata, the
-# pick's metadata namespace (its id and first endpoint's name) returned on the observer stream
-OBSERVED_METADATA = "x-kvserve-observed"
-OBSERVER_NAMESPACE = "kvserve"
 RESPONSE_PATHS = ("exchange", "trailers", "observe")
-# The headers the EPP reads (kvserve.cluster.epp.processor's REQUEST_HEADERS_READ, the
-# router's default session header, RESPONSE_HEADERS_READ): Envoy sends it no others
-EPP_HEADERS = (":path", "authorization", "x-session-id", ":status", "content-length",
-               "content-type", SERVED_HEADER)  # fmt: skip
+# The headers the EPP reads (and the router's default session header): Envoy sends it no others
+EPP_HEADERS = (*REQUEST_HEADERS_READ, RouterConfig.session_header, *RESPONSE_HEADERS_READ)
 _REPO = Path(__file__).resolve().parents[3]
 _TOOLS_BINARY = _REPO / ".tools" / "envoy" / "envoy" / "_bin" / "envoy"
 _BUFFER_LIMIT = 16 << 20  # a 1 MB prompt passes whatever the body mode
@@ -130,7 +133,7 @@ class EnvoySpec:
     # p50 -0.12 ms, p99 -1.0 ms of added latency (epp_2026-12-01c.md). DEFAULT (clear) where
     # routes match on headers the EPP sets.
     route_cache_action: str = "RETAIN"
-    # A request header SUBSET_HEADER (``ip:port,...``) becomes the subset hint metadata.
+    # A request header SUBSET_KEY (``ip:port,...``) becomes the subset hint metadata.
     subset_hint_header: bool = True
     # A JSON line per request to this file: Envoy's own timings of its phases (ACCESS_LOG_FIELDS)
     access_log: str | None = None
@@ -301,7 +304,7 @@ end
 def _observer(spec: EnvoySpec) -> dict[str, Any]:
     """The ext_proc filter that reports the response headers to the EPP in observability mode
     (sent without waiting, answers ignored) with the pick's metadata (its id there)."""
-    forwarding = [OBSERVER_NAMESPACE, "envoy.lb"] if spec.lb_metadata else [OBSERVER_NAMESPACE]
+    forwarding = [OBSERVER_NAMESPACE, LB_NAMESPACE] if spec.lb_metadata else [OBSERVER_NAMESPACE]
     config: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "30s"},
@@ -339,7 +342,7 @@ _STRIP_SERVED = {
     "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3"
         ".HeaderMutation",
-        "mutations": {"response_mutations": [{"remove": SERVED_HEADER}]},
+        "mutations": {"response_mutations": [{"remove": SERVED_KEY}]},
     },
 }
 
@@ -352,7 +355,7 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
     response_headers, response_body = spec.response_header_mode, spec.response_body_mode
     if spec.response_path != "exchange":  # the picking stream sees none of the response
         response_headers, response_body = "SKIP", "NONE"
-    receiving = ["envoy.lb"] if spec.lb_metadata else []
+    receiving = [LB_NAMESPACE] if spec.lb_metadata else []
     if observe:
         receiving.append(OBSERVER_NAMESPACE)
     ext_proc = {
@@ -381,9 +384,9 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
             "route_cache_action": spec.route_cache_action,
             "metadata_options": {
                 "forwarding_namespaces": {
-                    "untyped": ["envoy.lb", "envoy.lb.subset_hint"]
+                    "untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]
                     if spec.lb_metadata
-                    else ["envoy.lb.subset_hint"]
+                    else [SUBSET_NAMESPACE]
                 },
                 "receiving_namespaces": {"untyped": receiving},
             },
@@ -431,10 +434,10 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
             ".Config",
             "request_rules": [
                 {
-                    "header": SUBSET_HEADER,
+                    "header": SUBSET_KEY,
                     "on_header_present": {
-                        "metadata_namespace": "envoy.lb.subset_hint",
-                        "key": SUBSET_HEADER,
+                        "metadata_namespace": SUBSET_NAMESPACE,
+                        "key": SUBSET_KEY,
                         "type": "STRING",
                     },
                     "remove": True,
@@ -445,7 +448,7 @@ def bootstrap(spec: EnvoySpec, port: int, admin_port: int, direct_port: int) -> 
     filters = [subset_hint] if spec.subset_hint_header else []
     log = spec.access_log
     after = [first_destination] if spec.first_destination_lua else []
-    served = {SERVED_HEADER: "%UPSTREAM_REMOTE_ADDRESS%"} if spec.served_header else {}
+    served = {SERVED_KEY: "%UPSTREAM_REMOTE_ADDRESS%"} if spec.served_header else {}
     if spec.response_path == "trailers":
         served = {}  # (nothing reads it)
     if observe:

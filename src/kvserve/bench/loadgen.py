@@ -34,9 +34,10 @@ from kvserve.bench.arrivals import arrival_times
 from kvserve.bench.records import RequestRecord
 from kvserve.bench.trace import TraceEntry
 from kvserve.bench.workloads import Api, Conversation, Session, TurnRequest, Workload
+from kvserve.cluster.headers import DESTINATION_HEADER, ENDPOINT_HEADER
 
 CANCELLED = "cancelled: benchmark time limit"
-DEFAULT_ENDPOINT_HEADERS = ("x-kvserve-endpoint", "x-gateway-destination-endpoint")
+DEFAULT_ENDPOINT_HEADERS = (ENDPOINT_HEADER, DESTINATION_HEADER)
 
 
 @dataclass

@@ -60,6 +60,7 @@ from kvserve.cluster.config import RouterConfig
 from kvserve.cluster.endpoints import Endpoint, EndpointPool
 from kvserve.cluster.event_subscriber import EventSubscriber
 from kvserve.cluster.filters import NoEndpointError
+from kvserve.cluster.headers import ENDPOINT_HEADER
 from kvserve.cluster.history import RoutingHistory, SessionTable
 from kvserve.cluster.http_server import HttpRequest, HttpResponse, HttpServer
 from kvserve.cluster.kv_index import KVIndex
@@ -86,7 +87,6 @@ from kvserve.cluster.upstream import (
 
 logger = logging.getLogger(__name__)
 
-ENDPOINT_HEADER = "x-kvserve-endpoint"  # on every proxied response: who served it
 _ENDPOINT_HEADER_B = ENDPOINT_HEADER.encode()
 # With P/D on, on every proxied response:
 DISAGGREGATED_HEADER = "x-kvserve-disaggregated"  # true: prefill and decode legs ran

@@ -72,6 +72,16 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvserve.cluster.filters import NoEndpointError
+from kvserve.cluster.headers import (
+    DESTINATION_HEADER,
+    ENDPOINT_HEADER,
+    FIRST_DESTINATION_HEADER,
+    LB_NAMESPACE,
+    OBSERVER_NAMESPACE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 from kvserve.cluster.routing_request import RoutingRequest
 from kvserve.cluster.tokenization import BadRequestError
 
@@ -85,24 +95,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-# The first address of the list alone, for a gateway that connects to one address and walks
-# no list (plain Envoy's ORIGINAL_DST cluster reads it; no filter has to cut the list)
-FIRST_DESTINATION_HEADER = "x-kvserve-destination-endpoint"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-LB_NAMESPACE = "envoy.lb"
-ENDPOINT_RESPONSE_HEADER = "x-kvserve-endpoint"  # who served it, as the HTTP router says
-# Observed responses: the picking stream's gRPC metadata, and the pick's dynamic metadata
-# (namespace: {"id": key of the pick, "endpoint": its first endpoint's name}) that Envoy returns
-# with the observer stream's messages
-OBSERVED_METADATA = "x-kvserve-observed"
-OBSERVER_NAMESPACE = "kvserve"
-# The headers the EPP reads, of a request (besides the router's session header) and of an
-# answer: a gateway may send it only these (Envoy's ext_proc ``forward_rules``).
-REQUEST_HEADERS_READ = (":path", "authorization")
-RESPONSE_HEADERS_READ = (":status", "content-length", "content-type", SERVED_KEY)
 ECHO_CHUNK = 60 << 10  # body echoed back in pieces of at most this (Envoy's own are ~62 KB)
 _EXT_PROC_ATTRS = "envoy.filters.http.ext_proc"
 
@@ -229,7 +221,7 @@ def _served_answer(name: str | None, skip_body: bool, strip: bool = False) -> by
         if name is not None or strip:
             mutation = pb.HeaderMutation(remove_headers=[SERVED_KEY] if strip else [])
             if name is not None:
-                mutation.set_headers.append(_header_value(ENDPOINT_RESPONSE_HEADER, name))
+                mutation.set_headers.append(_header_value(ENDPOINT_HEADER, name))
         out = pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(
                 response=pb.CommonResponse(header_mutation=mutation)

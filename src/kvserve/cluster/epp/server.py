@@ -38,13 +38,9 @@ from kvserve.cluster.endpoints import Endpoint
 from kvserve.cluster.epp.grpc_server import Call, GrpcServer, Method
 from kvserve.cluster.epp.health import HealthService
 from kvserve.cluster.epp.idle_gc import IdleCollector
-from kvserve.cluster.epp.processor import (
-    OBSERVED_METADATA,
-    REQUEST_HEADERS_READ,
-    ExtProcStream,
-    Observers,
-)
+from kvserve.cluster.epp.processor import ExtProcStream, Observers
 from kvserve.cluster.gateway import Router, wait_for_stop_signal
+from kvserve.cluster.headers import OBSERVED_METADATA, REQUEST_HEADERS_READ
 
 logger = logging.getLogger(__name__)
 
