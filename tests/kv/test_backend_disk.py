@@ -8,6 +8,7 @@ import mmap
 import os
 import resource
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -187,12 +188,18 @@ def test_a_slot_being_read_is_never_overwritten(make) -> None:
     def writer(i: int) -> None:
         while not stop.is_set():
             b.put(keys[i : i + 1], views[i : i + 1])
+            time.sleep(0)  # let a reader's put-then-get through now and then
 
     threads = [threading.Thread(target=reader) for _ in range(2)]
     threads += [threading.Thread(target=writer, args=(i,)) for i in range(1, 9)]
     for t in threads:
         t.start()
+    # At least 3 s of contention and enough hits to have checked some reads (a loaded machine
+    # can keep the readers out for seconds: their put is overwritten before their get).
+    deadline = time.monotonic() + 60
     stop.wait(3.0)
+    while seen["hit"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
     stop.set()
     for t in threads:
         t.join(30)
