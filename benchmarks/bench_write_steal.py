@@ -17,6 +17,7 @@ Results: benchmarks/results/write_steal.{md,json}
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import multiprocessing as mp
@@ -45,7 +46,8 @@ def steal_s() -> list[float]:
         ]
 
 
-def spin(counter, stop) -> None:
+def spin(counter: ctypes.c_longlong, stop: ctypes.c_byte) -> None:
+    """The spinner on vCPU 0: iterations of a pure-Python loop, published every 10,000."""
     os.sched_setaffinity(0, {0})
     n = 0
     while not stop.value:
@@ -81,7 +83,7 @@ def main() -> dict:
     ap.add_argument("--out", default="write_steal")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args()
-    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+    if not {0, 1} <= os.sched_getaffinity(0):
         raise SystemExit("needs vCPUs 0 and 1")
 
     os.sched_setaffinity(0, {1})
@@ -91,7 +93,7 @@ def main() -> dict:
     fd_, path = tempfile.mkstemp(prefix="kvserve-write-steal-", dir=args.dir)
     os.close(fd_)
     fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
-    counter, stop = mp.Value("q", 0, lock=False), mp.Value("b", 0, lock=False)
+    counter, stop = mp.Value("q", 0, lock=False), mp.Value("b", 0, lock=False)  # shared ctypes
     spinner = mp.Process(target=spin, args=(counter, stop), daemon=True)
     spinner.start()
     time.sleep(0.5)
